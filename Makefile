@@ -1,0 +1,21 @@
+# The two commands of the README: `make demo` (the main job) and `make test` (the suite).
+# Both set up the environment first (Debian data packages + .venv); a second run reuses it.
+PY := .venv/bin/python
+export PYTHONUNBUFFERED := 1
+
+.PHONY: setup demo test bench clean
+
+setup:
+	@bash scripts/setup.sh
+
+demo: setup
+	$(PY) -m vlpe.demo
+
+test: setup
+	$(PY) -m pytest -n 2 -q tests
+
+bench: setup
+	$(PY) benchmarks/encodings.py
+
+clean:
+	rm -rf outputs runs .pytest_cache

@@ -1,0 +1,39 @@
+"""Every claim of every registered encoding, checked by the property kit (vlpe.testing).
+
+A new encoding is covered the moment it is registered: the parameters come from the registry.
+"""
+
+import pytest
+import torch
+
+import vlpe
+from vlpe.encodings import get
+from vlpe.testing import check, check_errors
+
+
+def _build(name):
+    cls = get(name)
+    axes = cls.supported_axes[0] if cls.supported_axes else 2
+    opts = dict(getattr(cls, "kit_options", {}))
+    opts.setdefault("num_axes", axes)
+    return vlpe.encodings.build(name, dim=64, num_heads=4, depth=2, **opts)
+
+
+CASES = [(name, claim) for name in vlpe.encodings.available() for claim in sorted(get(name).claims)]
+
+
+@pytest.mark.parametrize("name,claim", CASES, ids=[f"{n}-{c}" for n, c in CASES])
+def test_claimed_property(name, claim):
+    torch.manual_seed(0)
+    check(_build(name), claim)
+
+
+@pytest.mark.parametrize("name", vlpe.encodings.available())
+def test_error_behaviour(name):
+    check_errors(_build(name))
+
+
+@pytest.mark.parametrize("name", vlpe.encodings.available())
+def test_every_encoding_declares_a_docstring_and_claims(name):
+    cls = get(name)
+    assert cls.__doc__ and len(cls.__doc__.split()) > 8, f"{name} needs a docstring naming its paper and reference"

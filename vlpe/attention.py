@@ -1,0 +1,262 @@
+"""Reference attention that applies an encoding's hooks, with ``sdpa``, ``eager`` and ``flex`` backends.
+
+* ``sdpa``: :func:`torch.nn.functional.scaled_dot_product_attention`. Encodings without a bias keep the
+  fused kernel; a bias is built per query chunk (``max_bias_bytes``) so a dense ``(B, H, N, N)`` bias
+  is never held whole at large N.
+* ``eager``: explicit ``softmax(q k^T * scale + bias) v``; required by encodings with a ``values`` hook.
+* ``flex``: FlexAttention with the encoding's ``score_mod`` / ``block_mask``. Compiled; on CPU torch
+  has no FlexAttention backward, so training on CPU must use ``sdpa`` or ``eager``.
+
+The softmax scale is ``head_dim ** -0.5`` of the q/k *as given*, before any ``widen`` features.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from .encodings.base import Context, Encoding
+from .positions import Positions
+
+__all__ = ["attend", "attention_logits", "Attention", "dense_score_mod", "Backend"]
+
+Backend = Literal["sdpa", "eager", "flex"]
+BACKENDS = ("sdpa", "eager", "flex")
+
+#: Largest dense bias (bytes) built at once by the ``sdpa``/``eager`` paths; larger ones go by query chunks.
+MAX_BIAS_BYTES = 64 * 2**20
+
+
+def _key_padding(ctx: Context | None, dtype: torch.dtype) -> Tensor | None:
+    """``(B, 1, 1, N)`` additive mask: 0 for real keys, -inf for padding."""
+    if ctx is None or ctx.pos.valid is None:
+        return None
+    valid = ctx.pos.valid[:, None, None, :]  # (B, 1, 1, N)
+    return torch.zeros(valid.shape, dtype=dtype, device=valid.device).masked_fill(~valid, float("-inf"))
+
+
+def _combine(*biases: Tensor | None) -> Tensor | None:
+    out = None
+    for b in biases:
+        if b is None:
+            continue
+        out = b if out is None else out + b
+    return out
+
+
+def _row_chunks(q: Tensor, n_keys: int, heads: int, max_bytes: int) -> list[slice]:
+    n = q.shape[-2]
+    per_row = max(1, q.shape[0] * heads * n_keys * 4)
+    rows = max(1, min(n, max_bytes // per_row))
+    return [slice(s, min(s + rows, n)) for s in range(0, n, rows)]
+
+
+def attend(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    *,
+    enc: Encoding | None = None,
+    ctx: Context | None = None,
+    layer: int = 0,
+    backend: Backend = "sdpa",
+    attn_mask: Tensor | None = None,
+    is_causal: bool = False,
+    scale: float | None = None,
+    dropout_p: float = 0.0,
+    max_bias_bytes: int = MAX_BIAS_BYTES,
+) -> Tensor:
+    """Attention over ``q, k, v`` (B, H, N, Dh) with every hook of ``enc`` applied; returns (B, H, N, Dh).
+
+    ``ctx`` is ``enc.prepare(pos)``, built once per forward and shared by all layers. ``attn_mask`` is an
+    extra additive (float) or keep (bool) mask broadcastable to (B, H, N, N).
+    """
+    if backend not in BACKENDS:
+        raise ValueError(f"unknown attention backend {backend!r}; choose one of {BACKENDS}")
+    if (enc is None) != (ctx is None):
+        raise ValueError("attend needs both `enc` and `ctx` (ctx = enc.prepare(pos)) or neither")
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    if enc is not None:
+        Encoding.check_tokens(q, ctx, f"{type(enc).__name__} attention")
+        q, k = enc.rotate(q, k, ctx, layer)
+        q, k = enc.widen(q, k, ctx, layer)
+    if attn_mask is not None and attn_mask.dtype == torch.bool:
+        attn_mask = torch.zeros(attn_mask.shape, dtype=q.dtype, device=q.device).masked_fill(~attn_mask, float("-inf"))
+    pad = _key_padding(ctx, q.dtype)
+    has_score = enc is not None and enc.uses("score")
+    has_values = enc is not None and enc.uses("values")
+    if has_values and backend != "eager":
+        backend = "eager" if backend == "sdpa" else backend
+        if backend == "flex":
+            raise ValueError(f"{type(enc).__name__} has a values term, which needs the eager backend, not flex")
+
+    if backend == "flex":
+        return _flex(q, k, v, enc, ctx, layer, scale, _combine(attn_mask, pad), is_causal)
+
+    static = _combine(attn_mask, pad)
+    if not has_score and not has_values and backend == "sdpa":
+        return F.scaled_dot_product_attention(
+            q, k, v, attn_mask=static, dropout_p=dropout_p, is_causal=is_causal, scale=scale
+        )
+    n_q, n_k = q.shape[-2], k.shape[-2]
+    causal = None
+    if is_causal:
+        causal = torch.ones(n_q, n_k, dtype=torch.bool, device=q.device).tril().logical_not()
+    outs = []
+    for rows in _row_chunks(q, n_k, q.shape[1], max_bias_bytes):
+        qr = q[:, :, rows]  # (B, H, n, D)
+        bias = enc.score(qr, k, ctx, layer, rows=rows) if has_score else None
+        mask = _combine(bias, None if static is None else _rows(static, rows, n_q))
+        if causal is not None:
+            c = causal[rows]
+            mask = _combine(mask, torch.zeros(c.shape, dtype=q.dtype, device=q.device).masked_fill(c, float("-inf")))
+        if backend == "sdpa":
+            if mask is not None and mask.dtype != q.dtype:
+                mask = mask.to(q.dtype)
+            outs.append(F.scaled_dot_product_attention(qr, k, v, attn_mask=mask, dropout_p=dropout_p, scale=scale))
+            continue
+        logits = (qr @ k.transpose(-2, -1)) * scale  # (B, H, n, N)
+        if mask is not None:
+            logits = logits + mask.to(logits.dtype)
+        attn = logits.softmax(dim=-1)
+        if dropout_p:
+            attn = F.dropout(attn, p=dropout_p)
+        out = attn @ v  # (B, H, n, D)
+        if has_values:
+            extra = enc.values(attn, ctx, layer, rows=rows)
+            if extra is not None:
+                out = out + extra.to(out.dtype)
+        outs.append(out)
+    return outs[0] if len(outs) == 1 else torch.cat(outs, dim=-2)
+
+
+def _rows(mask: Tensor, rows: slice, n_q: int) -> Tensor:
+    return mask[..., rows, :] if mask.shape[-2] == n_q else mask
+
+
+def attention_logits(enc: Encoding, q: Tensor, k: Tensor, pos: Positions, layer: int = 0) -> Tensor:
+    """Pre-softmax scores ``(B, H, N, N)`` with every effect of ``enc`` on them included.
+
+    ``q, k``: ``(B, H, N, Dh)`` as they enter attention. For tests and plots (this materialises N x N).
+    """
+    if q.dim() != 4 or k.dim() != 4:
+        raise ValueError(f"q and k must be (B, H, N, Dh), got {tuple(q.shape)} and {tuple(k.shape)}")
+    ctx = enc.prepare(pos)
+    Encoding.check_tokens(q, ctx, f"{type(enc).__name__} attention_logits")
+    scale = q.shape[-1] ** -0.5
+    q, k = enc.rotate(q, k, ctx, layer)
+    q, k = enc.widen(q, k, ctx, layer)
+    logits = (q @ k.transpose(-2, -1)) * scale  # (B, H, N, N)
+    bias = enc.score(q, k, ctx, layer, rows=None)
+    if bias is not None:
+        logits = logits + bias.to(logits.dtype)
+    pad = _key_padding(ctx, logits.dtype)
+    return logits if pad is None else logits + pad
+
+
+# --------------------------------------------------------------------------- flex
+def dense_score_mod(enc: Encoding, q: Tensor, k: Tensor, ctx: Context, layer: int):
+    """A FlexAttention ``score_mod`` reading the encoding's dense bias (fine for small N)."""
+    bias = enc.score(q, k, ctx, layer, rows=None)
+    if bias is None:
+        return None
+    bias = bias.expand(q.shape[0], q.shape[1], q.shape[2], k.shape[2]).contiguous()  # (B, H, N, N)
+
+    def score_mod(score, b, h, q_idx, kv_idx):
+        return score + bias[b, h, q_idx, kv_idx].to(score.dtype)
+
+    return score_mod
+
+
+_compiled_flex = None
+
+
+def _flex(q, k, v, enc, ctx, layer, scale, static, is_causal):
+    global _compiled_flex
+    from torch.nn.attention.flex_attention import flex_attention
+
+    if q.device.type == "cpu" and torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
+        raise ValueError(
+            "FlexAttention has no backward on CPU in this torch; use backend='sdpa' (or 'eager') for CPU training"
+        )
+    if _compiled_flex is None:
+        _compiled_flex = torch.compile(flex_attention, dynamic=False)
+    mods = []
+    block_mask = None
+    if enc is not None and enc.uses("score"):
+        sm, block_mask = enc.flex(q, k, ctx, layer)
+        if sm is not None:
+            mods.append(sm)
+    if static is not None:
+        st = static.expand(q.shape[0], q.shape[1], q.shape[2], k.shape[2]).contiguous()
+        mods.append(lambda score, b, h, qi, ki: score + st[b, h, qi, ki].to(score.dtype))
+    if is_causal:
+        mods.append(lambda score, b, h, qi, ki: torch.where(qi >= ki, score, float("-inf")))
+
+    def score_mod(score, b, h, q_idx, kv_idx):
+        for m in mods:
+            score = m(score, b, h, q_idx, kv_idx)
+        return score
+
+    return _compiled_flex(q, k, v, score_mod=score_mod if mods else None, block_mask=block_mask, scale=scale)
+
+
+# --------------------------------------------------------------------------- module
+class Attention(nn.Module):
+    """Multi-head self-attention (timm ``Attention`` layout: fused ``qkv`` then ``proj``) with encoding hooks."""
+
+    def __init__(
+        self,
+        *,
+        dim: int,
+        num_heads: int,
+        qkv_bias: bool = True,
+        qk_norm: bool = False,
+        backend: Backend = "sdpa",
+        attn_drop: float = 0.0,
+        proj_drop: float = 0.0,
+    ) -> None:
+        super().__init__()
+        if dim % num_heads:
+            raise ValueError(f"dim ({dim}) must be divisible by num_heads ({num_heads})")
+        if backend not in BACKENDS:
+            raise ValueError(f"unknown attention backend {backend!r}; choose one of {BACKENDS}")
+        self.num_heads = num_heads
+        self.head_dim = dim // num_heads
+        self.backend = backend
+        self.qkv = nn.Linear(dim, 3 * dim, bias=qkv_bias)
+        self.q_norm = nn.LayerNorm(self.head_dim) if qk_norm else nn.Identity()
+        self.k_norm = nn.LayerNorm(self.head_dim) if qk_norm else nn.Identity()
+        self.attn_drop = attn_drop
+        self.proj = nn.Linear(dim, dim)
+        self.proj_drop = nn.Dropout(proj_drop)
+
+    def forward(
+        self,
+        x: Tensor,
+        *,
+        enc: Encoding | None = None,
+        ctx: Context | None = None,
+        layer: int = 0,
+        attn_mask: Tensor | None = None,
+    ) -> Tensor:
+        B, N, C = x.shape
+        qkv = self.qkv(x).reshape(B, N, 3, self.num_heads, self.head_dim).permute(2, 0, 3, 1, 4)
+        q, k, v = qkv.unbind(0)  # (B, H, N, Dh) each
+        q, k = self.q_norm(q), self.k_norm(k)
+        out = attend(
+            q,
+            k,
+            v,
+            enc=enc,
+            ctx=ctx,
+            layer=layer,
+            backend=self.backend,
+            attn_mask=attn_mask,
+            dropout_p=self.attn_drop if self.training else 0.0,
+        )  # (B, H, N, Dh)
+        out = out.transpose(1, 2).reshape(B, N, C)
+        return self.proj_drop(self.proj(out))

@@ -1,0 +1,199 @@
+"""The one interface every encoding implements.
+
+An encoding is an ``nn.Module`` that the attention stack consults at fixed points. Heavy tables (cos/sin,
+bucket indices, masks) are built once per forward by :meth:`Encoding.prepare` and shared by all layers
+through the returned :class:`Context`; the hooks then read them.
+
+===========================================  ==============================================  =================
+hook                                         used by                                         default
+===========================================  ==============================================  =================
+``embed(x, ctx)`` tokens in/out, before      ape, sincos, fourier                            identity
+block 0
+``mix(x, ctx, layer)`` after block ``layer``  peg                                             identity
+``rotate(q, k, ctx, layer)``                 rope family, comrope, string, mrope family      identity
+``widen(q, k, ctx, layer)`` extra q/k        pape, pape_ri (folded bias)                     identity
+features
+``score(q, k, ctx, layer, rows=)`` additive  irpe, lookhere, alibi, pype mask                None
+bias/mask for the query ``rows``
+``values(attn, ctx, layer)`` extra output    irpe on values                                  None
+term from attention probabilities
+``flex(q, k, ctx, layer)`` -> (score_mod,    bias encodings on the flex backend             dense-bias mod
+block_mask)
+===========================================  ==============================================  =================
+
+Tensor conventions: tokens ``x`` are ``(B, N, C)``; ``q, k, v`` are ``(B, H, N, Dh)`` as they enter
+attention (after the projections, before any scaling); a bias is broadcastable to ``(B, H, n, N)`` for
+the ``n`` query rows asked for, ``-inf`` where attention is forbidden.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, ClassVar
+
+import torch
+from torch import Tensor, nn
+
+from ..positions import Positions
+
+__all__ = ["Context", "Encoding", "HOOKS", "CLAIMS"]
+
+HOOKS = ("embed", "mix", "rotate", "widen", "score", "values")
+
+#: Properties an encoding may claim; :mod:`vlpe.testing` checks each claim over the whole registry.
+CLAIMS = frozenset(
+    {
+        "relative",  # logits unchanged when every non-prefix position shifts by one constant
+        "extrapolation",  # the sub-block of a larger grid equals the smaller grid
+        "neutral",  # ``neutralize()`` makes the encoding exactly equal to ``nope``
+        "zero_init",  # a freshly built encoding is exactly ``nope``
+        "rotation_invariant",  # logits unchanged when the coordinates rotate (continuous coordinates)
+        "fp32_angles",  # under bf16 autocast, angles/distances stay fp32 (large coordinates stay exact)
+    }
+)
+
+
+class Context:
+    """Per-forward state of an encoding: the positions and the tables built from them once.
+
+    ``tables`` is a plain dict the encoding fills in :meth:`Encoding.prepare`; layers only read it.
+    """
+
+    __slots__ = ("pos", "tables", "training")
+
+    def __init__(self, pos: Positions, *, training: bool = False) -> None:
+        self.pos = pos
+        self.tables: dict[str, Any] = {}
+        self.training = training
+
+    def __getitem__(self, key: str) -> Any:
+        return self.tables[key]
+
+    def __setitem__(self, key: str, value: Any) -> None:
+        self.tables[key] = value
+
+    def __contains__(self, key: str) -> bool:
+        return key in self.tables
+
+    def __repr__(self) -> str:
+        return f"Context({self.pos!r}, tables={sorted(self.tables)})"
+
+
+class Encoding(nn.Module):
+    """Base class: identity hooks, option validation and the per-forward :class:`Context`.
+
+    Subclasses set ``name`` (via :func:`vlpe.encodings.register`), ``claims`` (a subset of
+    :data:`CLAIMS`), ``supported_axes`` (allowed coordinate dimensionalities, None for any) and
+    ``needs_grid`` (True when the encoding reads the regular grid, e.g. a convolution), override the
+    hooks they use, and fill ``ctx`` in :meth:`_prepare`.
+    """
+
+    name: ClassVar[str] = ""
+    claims: ClassVar[frozenset[str]] = frozenset()
+    supported_axes: ClassVar[tuple[int, ...] | None] = None
+    needs_grid: ClassVar[bool] = False
+
+    def __init__(self, *, dim: int, num_heads: int, depth: int = 12, num_axes: int = 2) -> None:
+        super().__init__()
+        if dim <= 0 or num_heads <= 0 or dim % num_heads:
+            raise ValueError(f"dim must be a positive multiple of num_heads, got dim={dim}, num_heads={num_heads}")
+        if depth < 1:
+            raise ValueError(f"depth must be >= 1, got {depth}")
+        if self.supported_axes is not None and num_axes not in self.supported_axes:
+            raise ValueError(
+                f"{type(self).__name__} supports {' or '.join(map(str, self.supported_axes))} coordinate axes, "
+                f"got num_axes={num_axes}"
+            )
+        unknown = set(self.claims) - CLAIMS
+        if unknown:
+            raise TypeError(f"{type(self).__name__} claims unknown properties {sorted(unknown)}")
+        self.dim = dim
+        self.num_heads = num_heads
+        self.head_dim = dim // num_heads
+        self.depth = depth
+        self.num_axes = num_axes
+
+    # ------------------------------------------------------------------ per forward
+    def prepare(self, pos: Positions) -> Context:
+        """Validate ``pos`` and build the tables every layer of this forward will share."""
+        if not isinstance(pos, Positions):
+            raise ValueError(f"{type(self).__name__}.prepare expects vlpe.Positions, got {type(pos).__name__}")
+        if pos.num_axes != self.num_axes:
+            raise ValueError(
+                f"{type(self).__name__} was built for num_axes={self.num_axes} but positions have "
+                f"{pos.num_axes} axes; build it with num_axes={pos.num_axes}"
+            )
+        if self.needs_grid and pos.grid is None:
+            raise ValueError(
+                f"{type(self).__name__} needs tokens on a regular grid (Positions.grid / .video / .grid_nd); "
+                f"these positions have none (point clouds or ragged batches)"
+            )
+        ctx = Context(pos, training=self.training)
+        self._prepare(ctx)
+        return ctx
+
+    def _prepare(self, ctx: Context) -> None:
+        """Fill ``ctx`` with this encoding's tables (override)."""
+
+    # ------------------------------------------------------------------ hooks
+    def embed(self, x: Tensor, ctx: Context) -> Tensor:
+        return x
+
+    def mix(self, x: Tensor, ctx: Context, layer: int) -> Tensor:
+        return x
+
+    def rotate(self, q: Tensor, k: Tensor, ctx: Context, layer: int) -> tuple[Tensor, Tensor]:
+        return q, k
+
+    def widen(self, q: Tensor, k: Tensor, ctx: Context, layer: int) -> tuple[Tensor, Tensor]:
+        return q, k
+
+    def score(self, q: Tensor, k: Tensor, ctx: Context, layer: int, rows: slice | None = None) -> Tensor | None:
+        return None
+
+    def values(self, attn: Tensor, ctx: Context, layer: int, rows: slice | None = None) -> Tensor | None:
+        return None
+
+    def flex(self, q: Tensor, k: Tensor, ctx: Context, layer: int) -> tuple[Callable | None, Any]:
+        """``(score_mod, block_mask)`` for FlexAttention given the (rotated) q/k.
+
+        Default: a ``score_mod`` reading the dense bias, fine for small N; bias encodings override it
+        with an analytic ``score_mod`` and a ``block_mask`` so nothing N x N is held.
+        """
+        from ..attention import dense_score_mod  # local: attention imports this module
+
+        return dense_score_mod(self, q, k, ctx, layer), None
+
+    def neutralize(self) -> "Encoding":
+        """Set parameters so the encoding equals ``nope`` (for encodings that claim ``neutral``)."""
+        raise NotImplementedError(f"{type(self).__name__} has no neutral setting")
+
+    # ------------------------------------------------------------------ introspection
+    @classmethod
+    def uses(cls, hook: str) -> bool:
+        """True when ``hook`` is overridden, i.e. the attention must call it."""
+        if hook not in HOOKS:
+            raise ValueError(f"unknown hook {hook!r}; hooks are {HOOKS}")
+        return getattr(cls, hook) is not getattr(Encoding, hook)
+
+    @property
+    def hooks(self) -> tuple[str, ...]:
+        return tuple(h for h in HOOKS if self.uses(h))
+
+    def extra_repr(self) -> str:
+        return f"dim={self.dim}, num_heads={self.num_heads}, depth={self.depth}, num_axes={self.num_axes}"
+
+    def no_weight_decay(self) -> set[str]:
+        """Parameter names (relative to this module) to exclude from weight decay."""
+        return set()
+
+    @staticmethod
+    def check_tokens(t: Tensor, ctx: Context, who: str, dim: int = -2) -> None:
+        if t.shape[dim] != ctx.pos.num_tokens:
+            raise ValueError(
+                f"{who}: the input has {t.shape[dim]} tokens but positions describe {ctx.pos.num_tokens}"
+            )
+
+
+def fp32(t: Tensor) -> Tensor:
+    """``t`` as float32 (float64 kept): the precision for angles, distances and coordinate math."""
+    return t if t.dtype in (torch.float32, torch.float64) else t.float()

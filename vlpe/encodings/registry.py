@@ -1,0 +1,127 @@
+"""Name -> encoding class (plus preset options). Unknown names and options are errors, never ignored."""
+
+from __future__ import annotations
+
+import difflib
+import inspect
+from dataclasses import dataclass, field
+from typing import Any, Callable, TypeVar
+
+from .base import Encoding
+
+__all__ = ["register", "available", "build", "get", "options_of"]
+
+E = TypeVar("E", bound=type[Encoding])
+
+
+@dataclass(frozen=True)
+class _Entry:
+    cls: type[Encoding]
+    defaults: dict[str, Any] = field(default_factory=dict)
+
+
+_REGISTRY: dict[str, _Entry] = {}
+
+
+def register(name: str, *, defaults: dict[str, Any] | None = None) -> Callable[[E], E]:
+    """Class decorator: ``@register("rope")``. ``defaults`` make a preset (e.g. ``lh90`` of LookHere).
+
+    The first name a class is registered under becomes its ``name``.
+    """
+
+    def deco(cls: E) -> E:
+        if not (isinstance(cls, type) and issubclass(cls, Encoding)):
+            raise TypeError(f"register({name!r}) expects an Encoding subclass, got {cls!r}")
+        if name in _REGISTRY and _REGISTRY[name].cls is not cls:
+            raise ValueError(f"encoding name {name!r} is already registered to {_REGISTRY[name].cls.__name__}")
+        opts = dict(defaults or {})
+        bad = set(opts) - options_of(cls)
+        if bad:
+            raise TypeError(f"preset {name!r} sets options {sorted(bad)} that {cls.__name__} does not take")
+        _REGISTRY[name] = _Entry(cls, opts)
+        if "name" not in cls.__dict__:
+            cls.name = name
+        return cls
+
+    return deco
+
+
+def register_preset(name: str, base: str, **defaults: Any) -> None:
+    """Register ``name`` as ``base`` with different default options."""
+    entry = get_entry(base)
+    register(name, defaults={**entry.defaults, **defaults})(entry.cls)
+
+
+def available() -> list[str]:
+    """Sorted names of every registered encoding (presets included)."""
+    _ensure_loaded()
+    return sorted(_REGISTRY)
+
+
+def get_entry(name: str) -> _Entry:
+    _ensure_loaded()
+    if not isinstance(name, str) or name not in _REGISTRY:
+        close = difflib.get_close_matches(str(name), list(_REGISTRY), n=3)
+        hint = f"; did you mean {', '.join(map(repr, close))}?" if close else ""
+        raise ValueError(f"unknown encoding {name!r}{hint} Registered encodings: {', '.join(sorted(_REGISTRY))}")
+    return _REGISTRY[name]
+
+
+def get(name: str) -> type[Encoding]:
+    """The class registered under ``name``."""
+    return get_entry(name).cls
+
+
+def options_of(cls: type[Encoding]) -> set[str]:
+    """Keyword options a class's constructor accepts (following ``**kwargs`` up the MRO)."""
+    names: set[str] = set()
+    for klass in cls.__mro__:
+        if "__init__" not in klass.__dict__ or klass is object:
+            continue
+        sig = inspect.signature(klass.__dict__["__init__"])
+        var_kw = False
+        for p in list(sig.parameters.values())[1:]:
+            if p.kind is p.VAR_KEYWORD:
+                var_kw = True
+            elif p.kind in (p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD):
+                names.add(p.name)
+        if not var_kw:
+            break
+    return names
+
+
+def build(name: str, *, dim: int, num_heads: int, **options: Any) -> Encoding:
+    """Build the encoding registered as ``name`` for a model of width ``dim`` with ``num_heads`` heads.
+
+    ``options`` are the encoding's keyword options (``depth``, ``num_axes`` and its own); an option it
+    does not take raises ``ValueError`` listing those it does.
+    """
+    entry = get_entry(name)
+    accepted = options_of(entry.cls)
+    unknown = sorted(set(options) - accepted)
+    if unknown:
+        valid = ", ".join(sorted(accepted - {"dim", "num_heads"}))
+        raise ValueError(f"encoding {name!r} does not take option(s) {unknown}; it takes: {valid}")
+    kwargs = {**entry.defaults, **options}
+    return entry.cls(dim=dim, num_heads=num_heads, **kwargs)
+
+
+_LOADED = False
+
+
+def _ensure_loaded() -> None:
+    """Import every module of ``vlpe.encodings`` once, so their ``@register`` calls run."""
+    global _LOADED
+    if _LOADED:
+        return
+    _LOADED = True
+    import importlib
+    import pkgutil
+
+    from .. import encodings as pkg
+
+    for info in pkgutil.walk_packages(pkg.__path__, prefix=pkg.__name__ + "."):
+        leaf = info.name.rsplit(".", 1)[-1]
+        if leaf.startswith("_") or ".functional" in info.name:
+            continue
+        importlib.import_module(info.name)

@@ -1,0 +1,245 @@
+"""Property kit: behavioural checks any encoding can be run through, a user's own included.
+
+Each encoding declares the properties it claims (``Encoding.claims``); :func:`check` runs one claim,
+:func:`property_report` runs all of them plus the error-behaviour checks every encoding must pass. The
+test suite runs every claim of every registered encoding, so a new encoding is tested the moment it is
+registered::
+
+    from vlpe.testing import property_report
+    print(property_report(vlpe.encodings.build("rope", dim=64, num_heads=4)))
+
+The checks only use the public hooks and :func:`vlpe.attention_logits`; none of them knows how a
+particular encoding is implemented.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from typing import Callable
+
+import torch
+from torch import Tensor
+
+from .attention import attend, attention_logits
+from .encodings import build
+from .encodings.base import Encoding
+from .positions import Positions
+
+__all__ = [
+    "CHECKS",
+    "PropertyFailure",
+    "check",
+    "property_report",
+    "probe",
+    "random_qk",
+    "sample_positions",
+    "grid_positions",
+]
+
+
+class PropertyFailure(AssertionError):
+    """A claimed property does not hold; the message says by how much."""
+
+
+def _close(a: Tensor, b: Tensor, atol: float, what: str) -> None:
+    err = (a.double() - b.double()).abs().max().item() if a.numel() else 0.0
+    if not math.isfinite(err) or err > atol:
+        raise PropertyFailure(f"{what}: max abs difference {err:.3g} > {atol:.1g}")
+
+
+def _prefix_for(enc: Encoding) -> int:
+    return 0 if enc.num_axes == 1 else 1
+
+
+def grid_positions(enc: Encoding, shape: tuple[int, ...] | None = None, *, prefix: int | None = None) -> Positions:
+    """A regular grid matching the encoding's axis count: 1D sequence, 2D image, 3D video grid."""
+    prefix = _prefix_for(enc) if prefix is None else prefix
+    if shape is None:
+        shape = {1: (12,), 2: (5, 6), 3: (3, 4, 4)}.get(enc.num_axes, (3,) * enc.num_axes)
+    return Positions.grid_nd(shape, prefix=prefix)
+
+
+def sample_positions(enc: Encoding, n: int = 24, *, seed: int = 0, scale: float = 4.0) -> Positions:
+    """Continuous random coordinates (no grid, no prefix)."""
+    g = torch.Generator().manual_seed(seed)
+    return Positions(torch.randn(1, n, enc.num_axes, generator=g, dtype=torch.float64).float() * scale)
+
+
+def random_qk(enc: Encoding, n: int, *, batch: int = 1, seed: int = 0, dtype=torch.float32) -> tuple[Tensor, Tensor]:
+    """Random ``q, k`` of shape (B, H, N, Dh)."""
+    g = torch.Generator().manual_seed(seed)
+    shape = (batch, enc.num_heads, n, enc.head_dim)
+    return torch.randn(shape, generator=g).to(dtype), torch.randn(shape, generator=g).to(dtype)
+
+
+def probe(enc: Encoding, pos: Positions, *, seed: int = 0, layers: int | None = None) -> Tensor:
+    """Every hook of ``enc`` in a tiny fixed-weight residual attention stack; returns tokens (B, N, C).
+
+    Used to compare whole effects (embed + rotate + widen + score + values + mix) between encodings.
+    """
+    g = torch.Generator().manual_seed(seed)
+    C, H = enc.dim, enc.num_heads
+    layers = min(enc.depth, 2) if layers is None else layers
+    x = torch.randn(pos.batch, pos.num_tokens, C, generator=g)
+    w = torch.randn(layers, 3, C, C, generator=g) / math.sqrt(C)
+    ctx = enc.prepare(pos)
+    x = enc.embed(x, ctx)
+    for layer in range(layers):
+        q, k, v = (
+            (x @ w[layer, i]).reshape(x.shape[0], x.shape[1], H, -1).transpose(1, 2) for i in range(3)
+        )  # (B, H, N, Dh)
+        out = attend(q, k, v, enc=enc, ctx=ctx, layer=layer, backend="eager")
+        x = x + out.transpose(1, 2).reshape(x.shape)
+        x = enc.mix(x, ctx, layer)
+    return x
+
+
+# --------------------------------------------------------------------------- checks
+def check_relative(enc: Encoding, *, atol: float = 1e-4) -> None:
+    """Patch-patch logits are unchanged when every non-prefix token moves by the same offset.
+
+    (Prefix tokens sit at no position, so their logits with moved patches may change.)
+    """
+    pos = grid_positions(enc)
+    p = pos.prefix
+    q, k = random_qk(enc, pos.num_tokens)
+    base = attention_logits(enc, q, k, pos)[..., p:, p:]
+    for offset in ([3.0] * enc.num_axes, [(-1.0) ** a * (a + 2.5) for a in range(enc.num_axes)]):
+        shifted = attention_logits(enc, q, k, pos.shifted(offset))[..., p:, p:]
+        _close(shifted, base, atol, f"relative: logits changed under the shift {offset}")
+
+
+def check_extrapolation(enc: Encoding, *, atol: float = 1e-4) -> None:
+    """Logits of a small grid equal the matching sub-block of a larger grid (same q/k per position)."""
+    A = enc.num_axes
+    small_shape = {1: (6,), 2: (3, 4), 3: (2, 3, 3)}.get(A, (2,) * A)
+    big_shape = tuple(s + 2 + a for a, s in enumerate(small_shape))
+    big = grid_positions(enc, big_shape)
+    small = grid_positions(enc, small_shape)
+    q, k = random_qk(enc, big.num_tokens)
+    # indices of the small grid's tokens inside the big one (prefix first)
+    inside = torch.ones(big.num_tokens - big.prefix, dtype=torch.bool)
+    for a, s in enumerate(small_shape):
+        inside &= big.patch_coords[0, :, a] < s
+    idx = torch.cat([torch.arange(big.prefix), big.prefix + inside.nonzero().squeeze(1)])
+    big_logits = attention_logits(enc, q, k, big)[:, :, idx][:, :, :, idx]
+    small_logits = attention_logits(enc, q[:, :, idx], k[:, :, idx], small)
+    _close(small_logits, big_logits, atol, f"extrapolation: grid {small_shape} differs from its block in {big_shape}")
+
+
+def check_neutral(enc: Encoding, *, atol: float = 1e-5) -> None:
+    """After ``neutralize()``, the whole effect (probe output) equals ``nope`` exactly."""
+    neutral = copy.deepcopy(enc).eval()
+    with torch.no_grad():
+        neutral.neutralize()
+    _compare_with_nope(neutral, atol, "neutral")
+
+
+def check_zero_init(enc: Encoding, *, atol: float = 1e-5) -> None:
+    """A freshly built encoding has exactly the effect of ``nope``."""
+    _compare_with_nope(enc, atol, "zero_init")
+
+
+def _compare_with_nope(enc: Encoding, atol: float, what: str) -> None:
+    nope = build("nope", dim=enc.dim, num_heads=enc.num_heads, depth=enc.depth, num_axes=enc.num_axes)
+    for pos in (grid_positions(enc),) + ((sample_positions(enc),) if not enc.needs_grid else ()):
+        with torch.no_grad():
+            _close(probe(enc.eval(), pos), probe(nope, pos), atol, f"{what}: output differs from nope at {pos}")
+
+
+def _random_rotation(A: int, seed: int) -> Tensor:
+    g = torch.Generator().manual_seed(seed)
+    m = torch.randn(A, A, generator=g, dtype=torch.float64)
+    qm, r = torch.linalg.qr(m)
+    qm = qm * torch.sign(torch.diagonal(r))
+    if torch.linalg.det(qm) < 0:
+        qm[:, 0] = -qm[:, 0]
+    return qm
+
+
+def check_rotation_invariant(enc: Encoding, *, atol: float = 1e-4) -> None:
+    """Logits are unchanged when continuous coordinates rotate by a random rotation about the origin."""
+    pos = sample_positions(enc)
+    q, k = random_qk(enc, pos.num_tokens)
+    base = attention_logits(enc, q, k, pos)
+    for seed in (1, 2):
+        rot = _random_rotation(enc.num_axes, seed)
+        turned = pos.with_coords((pos.coords.double() @ rot.T).float(), keep_grid=False)
+        _close(attention_logits(enc, q, k, turned), base, atol, f"rotation_invariant: logits changed (seed {seed})")
+
+
+def check_fp32_angles(enc: Encoding, *, rel_tol: float = 5e-2) -> None:
+    """Under bf16 autocast, logits at large coordinates stay close to fp32.
+
+    Angles or distances computed in bf16 at coordinates ~500 are off by radians; bf16 matmuls alone
+    stay within a few percent.
+    """
+    pos = grid_positions(enc).shifted([500.0] * enc.num_axes)
+    q, k = random_qk(enc, pos.num_tokens)
+    ref = attention_logits(enc, q, k, pos)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        low = attention_logits(enc, q, k, pos)
+    err = (low.double() - ref.double()).abs().max().item() / ref.abs().max().clamp_min(1e-6).item()
+    if not math.isfinite(err) or err > rel_tol:
+        raise PropertyFailure(f"fp32_angles: bf16-autocast logits off by {err:.3g} (relative) > {rel_tol}")
+
+
+def check_errors(enc: Encoding) -> None:
+    """Mismatched positions raise ``ValueError`` (always checked, not a claim)."""
+    pos = grid_positions(enc)
+    q, k = random_qk(enc, pos.num_tokens + 1)
+    _expect_value_error(lambda: attention_logits(enc, q, k, pos), "a token count that does not match positions")
+    wrong_axes = Positions(torch.zeros(1, pos.num_tokens, enc.num_axes + 1))
+    q, k = random_qk(enc, pos.num_tokens)
+    _expect_value_error(lambda: enc.prepare(wrong_axes), f"positions with {enc.num_axes + 1} axes")
+
+
+def _expect_value_error(fn: Callable[[], object], what: str) -> None:
+    try:
+        fn()
+    except ValueError:
+        return
+    raise PropertyFailure(f"errors: {what} did not raise ValueError")
+
+
+CHECKS: dict[str, Callable[[Encoding], None]] = {
+    "relative": check_relative,
+    "extrapolation": check_extrapolation,
+    "neutral": check_neutral,
+    "zero_init": check_zero_init,
+    "rotation_invariant": check_rotation_invariant,
+    "fp32_angles": check_fp32_angles,
+}
+
+
+def check(enc: Encoding, claim: str) -> None:
+    """Run the check for ``claim`` on ``enc`` (eval mode); raises :class:`PropertyFailure` if it fails."""
+    if claim not in CHECKS:
+        raise ValueError(f"unknown property {claim!r}; properties are {sorted(CHECKS)}")
+    was_training = enc.training
+    enc.eval()
+    try:
+        CHECKS[claim](enc)
+    finally:
+        enc.train(was_training)
+
+
+def property_report(enc: Encoding, *, all_properties: bool = False) -> dict[str, str]:
+    """``{property: 'ok' | 'FAIL: ...' | 'holds (unclaimed)' | 'no'}`` for the claims (or every property)."""
+    report: dict[str, str] = {}
+    for claim in sorted(CHECKS):
+        claimed = claim in enc.claims
+        if not claimed and not all_properties:
+            continue
+        try:
+            check(enc, claim)
+            report[claim] = "ok" if claimed else "holds (unclaimed)"
+        except (PropertyFailure, NotImplementedError, ValueError) as e:
+            report[claim] = f"FAIL: {e}" if claimed else "no"
+    try:
+        check_errors(enc)
+        report["errors"] = "ok"
+    except PropertyFailure as e:
+        report["errors"] = f"FAIL: {e}"
+    return report
