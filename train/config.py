@@ -1,0 +1,146 @@
+"""Typed, validated YAML configs with dotted command-line overrides.
+
+A config file has one section per dataclass field of the script's config class (``model``, ``data``,
+``train``, ``deepspeed``). Every key is checked: a typo is an error listing the valid keys, a value of
+the wrong type is an error naming the expected type. Files are read with ``yaml.safe_load`` only.
+
+    cfg = load_config(ViTConfig, "configs/vit_lookhere.yaml", ["train.steps=50", "model.encoding=rope"])
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import types
+import typing
+from pathlib import Path
+from typing import Any, Sequence, TypeVar
+
+import yaml
+
+__all__ = ["ConfigError", "load_config", "from_dict", "to_dict", "parse_overrides"]
+
+T = TypeVar("T")
+
+
+class ConfigError(ValueError):
+    """A config key or value that does not fit the schema; the message says what would."""
+
+
+def _suggest(key: str, valid: Sequence[str]) -> str:
+    close = difflib.get_close_matches(key, list(valid), n=1)
+    return f" (did you mean {close[0]!r}?)" if close else ""
+
+
+def _check_type(value: Any, tp: Any, where: str) -> Any:
+    origin = typing.get_origin(tp)
+    if tp is Any:
+        return value
+    if origin in (typing.Union, types.UnionType):
+        args = typing.get_args(tp)
+        if value is None and type(None) in args:
+            return None
+        errors = []
+        for a in args:
+            if a is type(None):
+                continue
+            try:
+                return _check_type(value, a, where)
+            except ConfigError as e:
+                errors.append(str(e))
+        raise ConfigError(f"{where}: {value!r} fits none of {tp}")
+    if origin is typing.Literal:
+        if value not in typing.get_args(tp):
+            raise ConfigError(f"{where}: {value!r} is not one of {list(typing.get_args(tp))}")
+        return value
+    if origin in (list, tuple):
+        if not isinstance(value, (list, tuple)):
+            raise ConfigError(f"{where}: expected a list, got {value!r}")
+        (inner, *_) = typing.get_args(tp) or (Any,)
+        out = [_check_type(v, inner, f"{where}[{i}]") for i, v in enumerate(value)]
+        return tuple(out) if origin is tuple else out
+    if origin is dict or tp is dict:
+        if not isinstance(value, dict):
+            raise ConfigError(f"{where}: expected a mapping, got {value!r}")
+        return dict(value)
+    if dataclasses.is_dataclass(tp):
+        return from_dict(tp, value, where=where)
+    if tp is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if tp is bool and not isinstance(value, bool):
+        raise ConfigError(f"{where}: expected true/false, got {value!r}")
+    if isinstance(tp, type) and not isinstance(value, tp):
+        raise ConfigError(f"{where}: expected {tp.__name__}, got {type(value).__name__} {value!r}")
+    return value
+
+
+def from_dict(cls: type[T], data: dict | None, *, where: str = "config") -> T:
+    """Build dataclass ``cls`` from ``data``, rejecting unknown keys and ill-typed values."""
+    data = {} if data is None else data
+    if not isinstance(data, dict):
+        raise ConfigError(f"{where}: expected a mapping of keys, got {data!r}")
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    hints = typing.get_type_hints(cls)
+    unknown = [k for k in data if k not in fields]
+    if unknown:
+        k = unknown[0]
+        raise ConfigError(
+            f"{where}: unknown key {k!r}{_suggest(k, list(fields))}; valid keys: {', '.join(fields)}"
+        )
+    kwargs = {k: _check_type(v, hints[k], f"{where}.{k}") for k, v in data.items()}
+    return cls(**kwargs)
+
+
+def to_dict(cfg: Any) -> dict:
+    return dataclasses.asdict(cfg)
+
+
+def parse_overrides(items: Sequence[str]) -> dict:
+    """``["train.steps=10", "model.encoding=rope"]`` -> nested dict (values parsed as YAML scalars)."""
+    out: dict = {}
+    for item in items:
+        if "=" not in item:
+            raise ConfigError(f"override {item!r} must look like section.key=value")
+        key, raw = item.split("=", 1)
+        value = yaml.safe_load(raw) if raw != "" else ""
+        node = out
+        parts = key.strip().split(".")
+        for p in parts[:-1]:
+            node = node.setdefault(p, {})
+            if not isinstance(node, dict):
+                raise ConfigError(f"override {item!r} conflicts with another override of {p!r}")
+        node[parts[-1]] = value
+    return out
+
+
+def _merge(base: dict, over: dict) -> dict:
+    out = dict(base)
+    for k, v in over.items():
+        if isinstance(v, dict) and isinstance(out.get(k), dict):
+            out[k] = _merge(out[k], v)
+        else:
+            out[k] = v
+    return out
+
+
+def _read(path: Path, seen: tuple[Path, ...] = ()) -> dict:
+    """YAML mapping at ``path``; an ``inherit: other.yaml`` key merges this file over that one."""
+    if not path.is_file():
+        raise ConfigError(f"config file {str(path)!r} does not exist")
+    if path.resolve() in seen:
+        raise ConfigError(f"config inheritance loops through {path}")
+    with path.open() as f:
+        data = yaml.safe_load(f) or {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: the top level must be a mapping of sections")
+    inherit = data.pop("inherit", None)
+    if inherit is not None:
+        data = _merge(_read(path.parent / inherit, seen + (path.resolve(),)), data)
+    return data
+
+
+def load_config(cls: type[T], path: str | Path | None, overrides: Sequence[str] = ()) -> T:
+    """Read ``path`` (YAML, safe loader), apply dotted ``overrides``, validate into ``cls``."""
+    data = _read(Path(path)) if path is not None else {}
+    data = _merge(data, parse_overrides(overrides))
+    return from_dict(cls, data, where=str(path) if path else "config")

@@ -1,0 +1,434 @@
+"""The DeepSpeed training loop shared by ``train/vit.py``, ``train/points.py`` and ``train/vlm.py``.
+
+One code path for every launch: ``deepspeed [--num_gpus N] train/X.py --config ...`` (the launcher sets
+the rank variables) and plain ``python train/X.py --config ...`` (one process: the variables are filled in
+here). gloo on CPU, NCCL on GPU. The pieces:
+
+* :class:`TrainSection`: the ``train:`` section of every config (steps, batch, optimiser, precision,
+  ZeRO stage, validation/checkpoint cadence, resume);
+* :func:`deepspeed_config`: the DeepSpeed config dict from that section plus the YAML ``deepspeed:``
+  overrides, with the batch-size identity checked up front and explained in one line;
+* :class:`ResumableBatchSampler` + :class:`SeededDataset`: the data order and every sample's augmentation
+  are functions of (seed, step), so a resumed run sees exactly the batches an uninterrupted run would;
+* :func:`fit`: the loop, with JSON-lines metrics, tqdm on rank 0, validation every N steps, checkpoints
+  every N steps (model, optimizer, scheduler, data position, RNG) and a safetensors export at the end.
+
+Precision: ``bf16`` uses DeepSpeed's ``torch_autocast`` mode, so parameters (learned frequencies
+included) stay fp32 and encodings compute angles in fp32 (see the DeepSpeed notes on bf16 parameter casts).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import random
+import socket
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Iterator, Literal
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.utils.data import DataLoader, Dataset, Sampler
+
+from .checkpoint import MARKER, latest_complete, load_rng, save_rng, step_of, tag_for
+from .config import ConfigError
+
+__all__ = [
+    "TrainSection",
+    "deepspeed_config",
+    "setup_distributed",
+    "ResumableBatchSampler",
+    "SeededDataset",
+    "fit",
+    "move_to",
+    "export_weights",
+]
+
+
+@dataclass(kw_only=True)
+class TrainSection:
+    """The ``train:`` section common to every training script."""
+
+    steps: int = 200
+    micro_batch: int = 32  # per rank
+    grad_accum: int = 1
+    lr: float = 1e-3
+    min_lr: float = 1e-5
+    warmup_steps: int = 10
+    weight_decay: float = 0.05
+    grad_clip: float = 1.0
+    seed: int = 0
+    precision: Literal["auto", "fp32", "bf16"] = "auto"  # auto: bf16 on GPU, fp32 on CPU
+    zero_stage: int = 0
+    val_every: int = 50
+    val_batches: int = 20  # per rank, per validation
+    ckpt_every: int = 50
+    keep_checkpoints: int = 2
+    log_every: int = 10
+    out_dir: str = "runs/default"
+    resume: str = "none"  # "none" | "auto" (latest complete checkpoint) | a checkpoint directory
+    num_workers: int = 0
+    progress: bool = True
+
+    def __post_init__(self) -> None:
+        for name in ("steps", "micro_batch", "grad_accum", "val_every", "ckpt_every", "log_every"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"train.{name} must be >= 1, got {getattr(self, name)}")
+        if self.zero_stage not in (0, 1, 2, 3):
+            raise ConfigError(f"train.zero_stage must be 0, 1, 2 or 3, got {self.zero_stage}")
+
+
+# --------------------------------------------------------------------------- distributed
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def setup_distributed() -> tuple[int, int, torch.device]:
+    """Initialise the process group (launcher or single process); returns (rank, world, device)."""
+    import deepspeed
+
+    if "WORLD_SIZE" not in os.environ:  # plain `python train/X.py`: a one-process group
+        os.environ.update(
+            MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0"
+        )
+    cuda = torch.cuda.is_available()
+    if not dist.is_initialized():
+        deepspeed.init_distributed(dist_backend="nccl" if cuda else "gloo", verbose=False)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    local = int(os.environ.get("LOCAL_RANK", 0))
+    if cuda:
+        torch.cuda.set_device(local)
+        return rank, world, torch.device("cuda", local)
+    return rank, world, torch.device("cpu")
+
+
+def deepspeed_config(train: TrainSection, overrides: dict, *, world: int, device: torch.device) -> dict:
+    """The DeepSpeed config: batch sizes and precision from ``train``, then the YAML's ``deepspeed:`` keys."""
+    precision = train.precision
+    if precision == "auto":
+        precision = "bf16" if device.type == "cuda" else "fp32"
+    cfg: dict[str, Any] = {
+        "train_micro_batch_size_per_gpu": train.micro_batch,
+        "gradient_accumulation_steps": train.grad_accum,
+        "train_batch_size": train.micro_batch * train.grad_accum * world,
+        "gradient_clipping": train.grad_clip,
+        "zero_optimization": {"stage": train.zero_stage},
+        "steps_per_print": 10**9,
+        "wall_clock_breakdown": False,
+    }
+    if precision == "bf16":
+        cfg["torch_autocast"] = {"enabled": True, "dtype": "torch.bfloat16"}
+    cfg = _deep_merge(cfg, overrides or {})
+    micro, acc, total = (
+        cfg["train_micro_batch_size_per_gpu"],
+        cfg["gradient_accumulation_steps"],
+        cfg["train_batch_size"],
+    )
+    if micro * acc * world != total:
+        raise ConfigError(
+            f"deepspeed batch sizes disagree: train_batch_size={total} but micro_batch {micro} x grad_accum {acc} "
+            f"x world size {world} = {micro * acc * world}; drop deepspeed.train_batch_size or set it to "
+            f"{micro * acc * world}"
+        )
+    return cfg
+
+
+def _deep_merge(a: dict, b: dict) -> dict:
+    out = dict(a)
+    for k, v in b.items():
+        out[k] = _deep_merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+    return out
+
+
+# --------------------------------------------------------------------------- data order
+def _mix(*xs: int) -> int:
+    """A stable 63-bit hash of integers (splitmix64 rounds), for per-sample seeds."""
+    h = 0x9E3779B97F4A7C15
+    for x in xs:
+        h = (h ^ (x & 0xFFFFFFFFFFFFFFFF)) * 0xBF58476D1CE4E5B9 & 0xFFFFFFFFFFFFFFFF
+        h ^= h >> 31
+    return h & 0x7FFFFFFFFFFFFFFF
+
+
+class ResumableBatchSampler(Sampler[list[tuple[int, int]]]):
+    """Micro-batches of ``(index, sample_seed)`` for one rank, a pure function of (seed, micro step).
+
+    The global sample stream is the concatenation of per-epoch permutations (seeded by ``seed`` and the
+    epoch); micro step ``s`` of rank ``r`` takes its slice of global micro step ``s``. Starting at
+    ``start`` reproduces exactly what an uninterrupted run yields from that point.
+    """
+
+    def __init__(self, n: int, *, micro_batch: int, rank: int, world: int, seed: int, start: int, total: int) -> None:
+        if n < 1:
+            raise ValueError("the training dataset is empty")
+        self.n, self.micro, self.rank, self.world = n, micro_batch, rank, world
+        self.seed, self.start, self.total = seed, start, total
+
+    def _perm(self, epoch: int) -> torch.Tensor:
+        g = torch.Generator().manual_seed(_mix(self.seed, epoch))
+        return torch.randperm(self.n, generator=g)
+
+    def __len__(self) -> int:
+        return max(0, self.total - self.start)
+
+    def __iter__(self) -> Iterator[list[tuple[int, int]]]:
+        per_step = self.micro * self.world
+        cache: dict[int, torch.Tensor] = {}
+        for s in range(self.start, self.total):
+            first = s * per_step + self.rank * self.micro
+            batch = []
+            for j in range(first, first + self.micro):
+                epoch, i = divmod(j, self.n)
+                if epoch not in cache:
+                    cache.clear()
+                    cache[epoch] = self._perm(epoch)
+                batch.append((int(cache[epoch][i]), _mix(self.seed, j)))
+            yield batch
+
+
+class SeededDataset(Dataset):
+    """Wraps a dataset so item ``(index, seed)`` is produced with every RNG seeded from ``seed``.
+
+    Random augmentation then depends only on the sample's place in the stream, not on worker count or
+    history; the caller's RNG state is restored afterwards.
+    """
+
+    def __init__(self, base: Dataset) -> None:
+        self.base = base
+
+    def __len__(self) -> int:
+        return len(self.base)  # type: ignore[arg-type]
+
+    def __getitem__(self, item: tuple[int, int]):
+        index, seed = item
+        np_state, py_state = np.random.get_state(), random.getstate()
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            np.random.seed(seed % 2**32)
+            random.seed(seed)
+            try:
+                return self.base[index]
+            finally:
+                np.random.set_state(np_state)
+                random.setstate(py_state)
+
+
+def move_to(batch: Any, device: torch.device) -> Any:
+    """Tensors (and objects with ``.to``, e.g. ``vlpe.Positions``) in nested dicts/lists to ``device``."""
+    if isinstance(batch, torch.Tensor) or hasattr(batch, "to") and not isinstance(batch, (str, bytes, nn.Module)):
+        return batch.to(device)
+    if isinstance(batch, dict):
+        return {k: move_to(v, device) for k, v in batch.items()}
+    if isinstance(batch, (list, tuple)):
+        return type(batch)(move_to(v, device) for v in batch)
+    return batch
+
+
+# --------------------------------------------------------------------------- optimiser
+def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
+    """AdamW groups: no decay for biases, norms, embeddings/tokens and encodings' ``no_weight_decay`` names."""
+    skip: set[str] = set()
+    for mod_name, mod in model.named_modules():
+        fn = getattr(mod, "no_weight_decay", None)
+        if callable(fn):
+            prefix = f"{mod_name}." if mod_name else ""
+            skip |= {prefix + n for n in fn()}
+    decay, no_decay = [], []
+    for name, p in model.named_parameters():
+        if not p.requires_grad:
+            continue
+        if p.ndim < 2 or name in skip or any(s in name for s in ("pos_embed", "cls_token", "reg_token")):
+            no_decay.append(p)
+        else:
+            decay.append(p)
+    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+
+
+def cosine_schedule(train: TrainSection) -> Callable[[int], float]:
+    def f(step: int) -> float:
+        if step < train.warmup_steps:
+            return (step + 1) / max(1, train.warmup_steps)
+        t = (step - train.warmup_steps) / max(1, train.steps - train.warmup_steps)
+        floor = train.min_lr / train.lr
+        return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * min(1.0, t)))
+
+    return f
+
+
+# --------------------------------------------------------------------------- export
+def export_weights(module: nn.Module, path: Path, *, zero_stage: int) -> None:
+    """Full fp32 weights to ``path`` (safetensors) on rank 0; gathers ZeRO-3 partitions first."""
+    from safetensors.torch import save_file
+
+    if zero_stage == 3:
+        import deepspeed
+
+        with deepspeed.zero.GatheredParameters(list(module.parameters()), modifier_rank=None):
+            state = {k: v.detach().float().cpu().clone() for k, v in module.state_dict().items()}
+    else:
+        state = {k: v.detach().float().cpu().clone() for k, v in module.state_dict().items()}
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(".tmp")
+        save_file({k: v.contiguous() for k, v in state.items()}, str(tmp))
+        tmp.replace(path)
+
+
+# --------------------------------------------------------------------------- the loop
+@dataclass
+class FitResult:
+    step: int
+    metrics: list[dict] = field(default_factory=list)
+    out_dir: Path | None = None
+
+
+def fit(
+    *,
+    model: nn.Module,
+    train: TrainSection,
+    deepspeed_overrides: dict,
+    train_set: Dataset,
+    collate: Callable,
+    validate: Callable[[nn.Module, torch.device], dict] | None,
+    run_config: dict,
+    tokens_per_sample: Callable[[dict], int] | None = None,
+) -> FitResult:
+    """Train ``model`` (whose ``forward(batch) -> {"loss": ...}``) as configured; returns the final step.
+
+    ``validate(module, device)`` returns a metrics dict (already reduced across ranks); it runs every
+    ``val_every`` steps and at the end. Metrics go to ``<out_dir>/metrics.jsonl`` (rank 0).
+    """
+    import deepspeed
+    import yaml
+
+    rank, world, device = setup_distributed()
+    out_dir = Path(train.out_dir)
+    ckpt_dir = out_dir / "checkpoints"
+    torch.manual_seed(train.seed)
+    np.random.seed(train.seed % 2**32)
+    random.seed(train.seed)
+
+    optimizer = torch.optim.AdamW(param_groups(model, train.weight_decay), lr=train.lr, betas=(0.9, 0.999))
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, cosine_schedule(train))
+    ds_cfg = deepspeed_config(train, deepspeed_overrides, world=world, device=device)
+    engine, _, _, _ = deepspeed.initialize(
+        model=model, optimizer=optimizer, lr_scheduler=scheduler, config=ds_cfg, dist_init_required=False
+    )
+
+    start = 0
+    tag = None
+    if train.resume == "auto":
+        tag = latest_complete(ckpt_dir)
+    elif train.resume not in ("none", ""):
+        p = Path(train.resume)
+        if not (p / MARKER).is_file():
+            raise ConfigError(f"train.resume={train.resume!r} is not a complete checkpoint directory")
+        ckpt_dir, tag = p.parent, p.name
+    if tag is not None:
+        _, client = engine.load_checkpoint(str(ckpt_dir), tag=tag, load_optimizer_states=True, load_lr_scheduler_states=True)
+        start = int(client["step"])
+        load_rng(ckpt_dir / tag / f"rng_rank{rank}.pt")
+        if rank == 0:
+            print(f"[train] resumed from {ckpt_dir / tag} at step {start}", flush=True)
+
+    if rank == 0:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        (out_dir / "config.yaml").write_text(yaml.safe_dump(run_config, sort_keys=False))
+    sampler = ResumableBatchSampler(
+        len(train_set),  # type: ignore[arg-type]
+        micro_batch=train.micro_batch,
+        rank=rank,
+        world=world,
+        seed=train.seed,
+        start=start * train.grad_accum,
+        total=train.steps * train.grad_accum,
+    )
+    loader = DataLoader(
+        SeededDataset(train_set),
+        batch_sampler=sampler,
+        num_workers=train.num_workers,
+        collate_fn=collate,
+        persistent_workers=False,
+        # its own generator: creating the iterator must not draw from the global RNG (resume exactness)
+        generator=torch.Generator().manual_seed(train.seed),
+    )
+    metrics_path = out_dir / "metrics.jsonl"
+    result = FitResult(step=start, out_dir=out_dir)
+    bar = None
+    if rank == 0 and train.progress:
+        from tqdm import tqdm
+
+        bar = tqdm(total=train.steps, initial=start, desc=f"train {out_dir.name}", dynamic_ncols=True)
+
+    def log(record: dict) -> None:
+        result.metrics.append(record)
+        if rank == 0:
+            with metrics_path.open("a") as f:
+                f.write(json.dumps(record) + "\n")
+
+    step = start
+    window_loss, window_n, window_tokens, t0 = 0.0, 0, 0, time.perf_counter()
+    engine.train()
+    for micro, batch in enumerate(loader):
+        batch = move_to(batch, device)
+        out = engine(batch)
+        loss = out["loss"]
+        engine.backward(loss)
+        engine.step()
+        window_loss += float(loss.detach())
+        window_n += 1
+        if tokens_per_sample is not None:
+            window_tokens += tokens_per_sample(batch)
+        if (micro + 1) % train.grad_accum:
+            continue
+        step += 1
+        if bar is not None:
+            bar.update(1)
+            bar.set_postfix(loss=f"{window_loss / window_n:.4f}")
+        if step % train.log_every == 0 or step == train.steps:
+            dt = time.perf_counter() - t0
+            rec = {"split": "train", "step": step, "loss": window_loss / window_n, "lr": scheduler.get_last_lr()[0]}
+            if window_tokens:
+                rec["tokens_per_s"] = window_tokens * world / dt
+            rec["samples_per_s"] = window_n * train.micro_batch * world / dt
+            log(rec)
+            window_loss, window_n, window_tokens, t0 = 0.0, 0, 0, time.perf_counter()
+        if validate is not None and (step % train.val_every == 0 or step == train.steps):
+            engine.eval()
+            with torch.no_grad():
+                val = validate(engine.module, device)
+            engine.train()
+            log({"split": "val", "step": step, **val})
+            if bar is not None:
+                bar.write(f"[val] step {step}: " + ", ".join(f"{k}={v:.4f}" for k, v in val.items()))
+        if step % train.ckpt_every == 0 or step == train.steps:
+            save_checkpoint(engine, ckpt_dir, step, rank, keep=train.keep_checkpoints)
+    if bar is not None:
+        bar.close()
+    export_weights(engine.module, out_dir / "model.safetensors", zero_stage=train.zero_stage)
+    dist.barrier()
+    result.step = step
+    return result
+
+
+def save_checkpoint(engine, ckpt_dir: Path, step: int, rank: int, *, keep: int) -> None:
+    """DeepSpeed checkpoint + RNG per rank, then the ``COMPLETE`` marker once every rank is done."""
+    import shutil
+
+    tag = tag_for(step)
+    engine.save_checkpoint(str(ckpt_dir), tag=tag, client_state={"step": step}, save_latest=False)
+    save_rng(ckpt_dir / tag / f"rng_rank{rank}.pt")
+    dist.barrier()
+    if rank == 0:
+        (ckpt_dir / tag / MARKER).write_text(str(step))
+        done = sorted((p for p in ckpt_dir.iterdir() if (p / MARKER).is_file()), key=lambda p: step_of(p.name))
+        for old in done[:-keep] if keep > 0 else []:
+            shutil.rmtree(old, ignore_errors=True)
+    dist.barrier()
