@@ -14,7 +14,6 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .base import Context, Encoding
-from .functional.rope import inv_freq
 from .registry import register
 
 __all__ = ["AdditiveEmbedding", "LearnedAPE", "SinCosAPE", "resample_grid_embed", "sincos_embed"]
@@ -64,7 +63,8 @@ class LearnedAPE(AdditiveEmbedding):
     ``resample_abs_pos_embed`` (checked against it, square and rectangular grids); prefix slots are never
     resampled. Videos (3 axes, ``grid_size=(t, h, w)``) are resampled trilinearly. The embedding reads the
     grid shape only, not the coordinates: shifted positions on the same grid get the same table. Init is
-    trunc-normal with std 0.02 (timm); ``neutralize()`` zeroes the table.
+    ``trunc_normal_(std=0.02)`` as in timm (cut at +-2 absolute, so in effect N(0, 0.02^2));
+    ``neutralize()`` zeroes the table.
     """
 
     claims = frozenset({"neutral"})
@@ -117,7 +117,8 @@ class LearnedAPE(AdditiveEmbedding):
         ctx["pe"] = torch.cat([head, patches], dim=0).unsqueeze(0)  # (1, N, C)
 
     def neutralize(self) -> "LearnedAPE":
-        self.pos_embed.zero_()
+        with torch.no_grad():
+            self.pos_embed.zero_()
         return self
 
     def no_weight_decay(self) -> set[str]:
@@ -137,14 +138,16 @@ def sincos_embed(
     *,
     temperature: float = 10000.0,
     layout: SinCosLayout = "blocked",
-    reverse_coord: bool = False,
+    reverse_axes: bool = False,
 ) -> Tensor:
     """Fixed sin-cos features of float coordinates ``(B, N, A)`` -> ``(B, N, dim)`` in fp32 (autocast off).
 
     Each axis gets ``P = dim // (2A)`` frequencies ``omega_k = temperature ** (-k / P)``. ``layout="blocked"``:
     ``[sin(c_0 w), ..., sin(c_{A-1} w), cos(c_0 w), ..., cos(c_{A-1} w)]`` (timm ``build_sincos2d_pos_embed``);
     ``"per_axis"``: ``[sin(c_0 w), cos(c_0 w), sin(c_1 w), ...]`` (timm ``interleave_sin_cos=True``; with
-    ``reverse_coord`` the MAE layout). ``reverse_coord`` reads the axes in reverse order (column first).
+    ``reverse_axes`` the MAE layout). ``reverse_axes`` reads the axes in reverse order (column first).
+    (timm's ``reverse_coord`` is different: it enumerates the tokens of the transposed grid, so on ``(h, w)``
+    it equals this function on the coordinates of a ``(w, h)`` grid, and nothing changes on square grids.)
     Channels left over when ``dim`` is not a multiple of ``2A`` are zero.
     """
     if layout not in ("blocked", "per_axis"):
@@ -155,9 +158,10 @@ def sincos_embed(
         raise ValueError(f"sincos needs dim >= 2 * num_axes (one sin/cos pair per axis), got dim={dim}, A={A}")
     with torch.autocast(coords.device.type, enabled=False):
         c = coords if coords.dtype == torch.float64 else coords.float()
-        if reverse_coord:
+        if reverse_axes:
             c = c.flip(-1)
-        omega = inv_freq(P, temperature, dim=2 * P, device=c.device).to(c.dtype)  # (P,)
+        k = torch.arange(P, device=c.device, dtype=torch.int64).to(c.dtype)
+        omega = 1.0 / (temperature ** (k / P))  # (P,) in the coordinates' precision (timm's freq_bands)
         angles = c.unsqueeze(-1) * omega  # (B, N, A, P)
         if layout == "blocked":
             sc = torch.stack([angles.sin(), angles.cos()], dim=2)  # (B, N, 2, A, P)
@@ -175,10 +179,12 @@ class SinCosAPE(AdditiveEmbedding):
     CVPR 2022), evaluated at the float coordinates, so it serves grids, videos and point clouds alike.
 
     Frequencies ``temperature ** (-k / (D / 2A))`` per axis, fp32 under autocast. ``layout="blocked"`` reproduces
-    timm's ``build_sincos2d_pos_embed`` exactly (``layout="per_axis"`` its ``interleave_sin_cos``;
-    ``reverse_coord=True`` its ``reverse_coord`` on square grids, and MAE's ``get_2d_sincos_pos_embed`` with
-    ``layout="per_axis"``). Prefix tokens get zeros. No parameters; being a function of each token's own
-    coordinates, a small grid's embedding is the matching block of a larger grid's (``extrapolation``).
+    timm's ``build_sincos2d_pos_embed`` exactly (``layout="per_axis"`` its ``interleave_sin_cos``; its
+    ``reverse_coord=True`` on an ``(h, w)`` grid is this encoding on ``Positions.grid(w, h)``, a transposed token
+    order). ``layout="per_axis", reverse_axes=True`` (column channels first) is MAE's
+    ``get_2d_sincos_pos_embed``. Prefix tokens get zeros. No parameters; being a function of each token's
+    own coordinates, a small grid's embedding is the matching block of a larger grid's (``extrapolation``).
+    float64 coordinates give a float64 table.
     """
 
     claims = frozenset({"extrapolation", "fp32_angles"})
@@ -192,7 +198,7 @@ class SinCosAPE(AdditiveEmbedding):
         num_axes: int = 2,
         temperature: float = 10000.0,
         layout: SinCosLayout = "blocked",
-        reverse_coord: bool = False,
+        reverse_axes: bool = False,
     ) -> None:
         super().__init__(dim=dim, num_heads=num_heads, depth=depth, num_axes=num_axes)
         if layout not in ("blocked", "per_axis"):
@@ -203,12 +209,12 @@ class SinCosAPE(AdditiveEmbedding):
             raise ValueError(f"sincos needs dim >= 2 * num_axes, got dim={dim}, num_axes={num_axes}")
         self.temperature = float(temperature)
         self.layout = layout
-        self.reverse_coord = bool(reverse_coord)
+        self.reverse_axes = bool(reverse_axes)
 
     def _prepare(self, ctx: Context) -> None:
         pos = ctx.pos
         pe = sincos_embed(
-            pos.patch_coords, self.dim, temperature=self.temperature, layout=self.layout, reverse_coord=self.reverse_coord
+            pos.patch_coords, self.dim, temperature=self.temperature, layout=self.layout, reverse_axes=self.reverse_axes
         )  # (B, N - prefix, C)
         if pos.prefix:
             pe = torch.cat([pe.new_zeros(pe.shape[0], pos.prefix, self.dim), pe], dim=1)  # (B, N, C)
@@ -217,5 +223,5 @@ class SinCosAPE(AdditiveEmbedding):
     def extra_repr(self) -> str:
         return (
             f"{super().extra_repr()}, temperature={self.temperature}, layout={self.layout!r}, "
-            f"reverse_coord={self.reverse_coord}"
+            f"reverse_axes={self.reverse_axes}"
         )

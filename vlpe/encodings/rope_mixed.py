@@ -131,7 +131,8 @@ class RoPEMixed(Encoding):
         return apply_rope(q, cos, sin), apply_rope(k, cos, sin)
 
     def neutralize(self) -> "RoPEMixed":
-        self.freqs.zero_()
+        with torch.no_grad():
+            self.freqs.zero_()
         return self
 
     def no_weight_decay(self) -> set[str]:
