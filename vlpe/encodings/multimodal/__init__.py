@@ -1,0 +1,79 @@
+"""Multimodal rotary position encodings for VLM decoders: position designs x frequency allocations.
+
+Every multimodal RoPE splits into a *position design* (token layout -> ``position_ids (A, B, S)`` and
+``rope_deltas (B, 1)``) and a *frequency allocation* (which rotary pair, or KV head, reads which axis).
+A named variant is one of each; any design pairs with any allocation through :class:`Variant`.
+
+>>> from vlpe.encodings import multimodal as mm
+>>> ids, deltas = mm.position_ids("mrope", mm_token_type_ids, grid_thw, attention_mask=None,
+...                               spatial_merge_size=2)                     # doctest: +SKIP
+>>> cos, sin = mm.rotary("mrope", ids, head_dim=128, theta=1e6)           # doctest: +SKIP
+>>> ids_new = mm.decode_position_ids("mrope", deltas, cache_position)     # doctest: +SKIP
+
+API (Hugging Face 5.x conventions):
+
+* ``position_ids(variant, mm_token_type_ids, grid_thw, attention_mask=None, spatial_merge_size=2,
+  *, pad_position=1, dtype=None, validate=True, **options) -> (ids (A, B, S), deltas (B, 1))``.
+  ``mm_token_type_ids`` (B, S): 0 text, 1 image, 2 video; ``grid_thw`` (blocks, 3) in patches before merging,
+  in order of appearance over the batch (:func:`merge_grids` interleaves HF's ``image_grid_thw`` and
+  ``video_grid_thw``). Vectorised (cumsum / searchsorted / gather), no host syncs but the one boolean of
+  ``validate``. Integer designs return int64, fractional ones float32. Padding slots get ``pad_position``.
+  ``deltas`` = next free position - number of real tokens (PyPE: ``(B, depth)``, one per layer).
+* ``rotary(variant, ids, *, head_dim, theta=None, num_kv_heads=None, allocation=None, section=None,
+  rotary_dim=None, inv_freq=None, attention_scaling=1.0, layer=None, dtype=float32) -> (cos, sin)``:
+  ``(B, S, head_dim)`` half-layout tables for transformers' ``apply_rotary_pos_emb``;
+  ``(B, H_kv, S, head_dim)`` for the per-head ``multi_head`` allocation (apply with
+  :func:`apply_rotary_pos_emb`, GQA aware); PyPE ``(depth, B, S, head_dim)`` or one ``layer``'s table.
+* ``decode_position_ids(variant, rope_deltas, cache_position, *, attention_mask=None) -> (A, B, n)``: ids
+  of generated text tokens; prompt ids + these equal the ids of the whole sequence computed at once.
+* ``Variant(design, allocation, design_options={}, section=None, theta=...)``; ``VARIANTS``, ``DESIGNS``,
+  ``ALLOCATIONS``; ``allocation_map(...)`` (pair -> axis census); ``pype_attention_mask(ids, layer)``.
+
+Variants: ``rope1d`` (1d + none), ``mrope`` (grid + chunked), ``qwen25vl`` (absolute_time + chunked),
+``mrope_i`` (grid + interleaved; ``spatial_reset=True`` option), ``qwen3vl`` (per_frame + interleaved),
+``mhrope`` (grid + multi_head), ``videorope`` (diagonal, delta 2 + low_freq_temporal), ``hope_video``
+(diagonal, gamma + hybrid), ``vrope`` (vrope + interleaved over 4 axes), ``v2pe`` (v2pe + none),
+``pype`` (pype + none, per layer). Each is also a registered vlpe encoding
+(``vlpe.encodings.build("mrope_i", dim=..., num_heads=..., num_axes=3)``) that takes
+``vlpe.Positions(ids.permute(1, 2, 0))``; ``rope1d`` is the core 1D decoder RoPE.
+
+Position ids follow each method's released code; for Qwen2-VL text after a vision block resumes at the
+maximum over all axes + 1 (the released semantics, not transformers 5.x's ``max(h, w)`` advance).
+"""
+
+from .allocations import ALLOCATIONS, allocation_map, default_section, frequency_matrix
+from .designs import DESIGNS, HOPE_SCALES, V2PE_STRIDES, Design
+from .layout import TokenLayout, token_layout
+from .variants import (
+    VARIANTS,
+    Variant,
+    apply_rotary_pos_emb,
+    decode_position_ids,
+    get_variant,
+    merge_grids,
+    position_ids,
+    pype_attention_mask,
+    rotary,
+)
+
+__all__ = [
+    "ALLOCATIONS",
+    "DESIGNS",
+    "VARIANTS",
+    "HOPE_SCALES",
+    "V2PE_STRIDES",
+    "Design",
+    "TokenLayout",
+    "Variant",
+    "allocation_map",
+    "apply_rotary_pos_emb",
+    "decode_position_ids",
+    "default_section",
+    "frequency_matrix",
+    "get_variant",
+    "merge_grids",
+    "position_ids",
+    "pype_attention_mask",
+    "rotary",
+    "token_layout",
+]

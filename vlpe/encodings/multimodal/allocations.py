@@ -1,0 +1,168 @@
+"""Frequency allocations: which rotary pair (and, for multi-head, which KV head) reads which position axis.
+
+An allocation is an integer map over the ``K = rotary_dim / 2`` rotation pairs (pair ``k`` rotates the
+channels ``(k, k + K)``, Hugging Face half layout; ``k = 0`` is the highest frequency), shape ``(K,)``, or
+``(H_kv, K)`` for per-head allocations. Entries are axis indices; ``-1`` marks pairs that carry no position
+(cos = 1, sin = 0). :func:`frequency_matrix` turns a map into the ``(A, K)`` (or ``(H_kv, A, K)``) matrix that
+:func:`vlpe.encodings.functional.rope.rope_angles` multiplies the ``(B, S, A)`` coordinates with, so every
+allocation shares one fp32 angle computation.
+
+=====================  ======================================================================================
+name                   map (defaults for K = 64)
+=====================  ======================================================================================
+``none``               every pair reads axis 0: plain 1D RoPE (designs with a single axis: 1D, V2PE, PyPE)
+``chunked``            consecutive chunks per axis, ``section`` pairs each; Qwen2-VL ``mrope_section``
+                       [16, 24, 24]: t 0-15, h 16-39, w 40-63
+``interleaved``        axis ``a > 0`` takes ``k = a (mod A)`` for ``k < A * section[a]``, axis 0 the rest;
+                       MRoPE-I / Qwen3-VL [24, 20, 20]: t h w t h w ... t t t t; VRoPE [16]*4: ``k mod 4``
+``multi_head``         ``section`` counts KV heads per axis (MHRoPE [2, 3, 3] of 8); a head uses all pairs of
+                       its axis, heads beyond the section sum carry no position
+``low_freq_temporal``  VideoRoPE LTA [16, 24, 24]: pairs below ``K - section[0]`` alternate h (even k) / w
+                       (odd k), the lowest-frequency ``section[0]`` pairs read t
+``hybrid``             HoPE HFA: as ``low_freq_temporal`` with the temporal band carrying no position
+=====================  ======================================================================================
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+from torch import Tensor
+
+__all__ = ["ALLOCATIONS", "allocation_map", "default_section", "frequency_matrix", "axes_of"]
+
+ALLOCATIONS = ("none", "chunked", "interleaved", "multi_head", "low_freq_temporal", "hybrid")
+
+
+def _check_name(allocation: str) -> None:
+    if allocation not in ALLOCATIONS:
+        raise ValueError(f"unknown frequency allocation {allocation!r}; allocations are: {', '.join(ALLOCATIONS)}")
+
+
+def default_section(allocation: str, num_pairs: int, num_axes: int = 3, num_kv_heads: int | None = None) -> tuple[int, ...]:
+    """The default ``section`` of an allocation, scaled to ``num_pairs`` (the released values at K = 64)."""
+    _check_name(allocation)
+    K = num_pairs
+    if allocation == "chunked" or allocation in ("low_freq_temporal", "hybrid"):
+        t = K // 4
+        w = (K - t) // 2
+        return (t, K - t - w, w)  # [16, 24, 24] at K = 64
+    if allocation == "interleaved":
+        if num_axes == 3:
+            hw = (K * 5) // 16
+            return (K - 2 * hw, hw, hw)  # [24, 20, 20] at K = 64
+        per = K // num_axes
+        return (K - per * (num_axes - 1),) + (per,) * (num_axes - 1)
+    if allocation == "multi_head":
+        if num_kv_heads is None:
+            raise ValueError("the multi_head allocation needs num_kv_heads (the number of key/value heads)")
+        t = num_kv_heads // 4
+        w = (num_kv_heads - t) // 2
+        return (t, num_kv_heads - t - w, w)  # [2, 3, 3] of 8 KV heads
+    return ()
+
+
+def axes_of(allocation: str, section: Sequence[int] | None, num_axes: int) -> int | None:
+    """Number of position axes an allocation reads (None: any, it only reads axis 0)."""
+    _check_name(allocation)
+    if allocation == "none":
+        return None
+    if allocation in ("low_freq_temporal", "hybrid"):
+        return 3
+    if section is not None:
+        return len(section)
+    return 3 if allocation in ("chunked", "multi_head") else num_axes
+
+
+def _section(allocation, section, K, A, num_kv_heads) -> tuple[int, ...]:
+    if section is None:
+        return default_section(allocation, K, A, num_kv_heads)
+    sec = tuple(section)
+    if any(int(s) != s or s < 0 for s in sec):
+        raise ValueError(f"{allocation} allocation: section must hold non-negative integers, got {list(section)}")
+    return tuple(int(s) for s in sec)
+
+
+def allocation_map(
+    allocation: str,
+    *,
+    num_pairs: int,
+    num_axes: int = 3,
+    section: Sequence[int] | None = None,
+    num_kv_heads: int | None = None,
+    device=None,
+) -> Tensor:
+    """The pair -> axis map, ``(K,)`` int64 (``(H_kv, K)`` for ``multi_head``); ``-1`` = no position.
+
+    Args:
+        allocation: one of :data:`ALLOCATIONS`.
+        num_pairs: ``K = rotary_dim / 2``.
+        num_axes: number of position axes (used by ``interleaved`` without an explicit section).
+        section: pairs per axis (``chunked``, ``interleaved``, ``low_freq_temporal``, ``hybrid``; the
+            temporal count for the last two) or KV heads per axis (``multi_head``); None for the default.
+        num_kv_heads: key/value heads (``multi_head`` only).
+    """
+    _check_name(allocation)
+    K = int(num_pairs)
+    if K < 1:
+        raise ValueError(f"rotary allocations need at least one rotation pair, got num_pairs={num_pairs}")
+    k = torch.arange(K, device=device)
+    if allocation == "none":
+        if section is not None:
+            raise ValueError("the 'none' allocation (plain 1D RoPE) takes no section")
+        return torch.zeros(K, dtype=torch.int64, device=device)
+    A = axes_of(allocation, section, num_axes)
+    sec = _section(allocation, section, K, A, num_kv_heads)
+
+    if allocation == "chunked":
+        if sum(sec) != K:
+            raise ValueError(f"chunked allocation: section {list(sec)} must sum to the {K} rotary pairs (head_dim / 2)")
+        return torch.repeat_interleave(torch.arange(len(sec), device=device), torch.tensor(sec, device=device))
+
+    if allocation == "interleaved":
+        if sum(sec) != K:
+            raise ValueError(f"interleaved allocation: section {list(sec)} must sum to the {K} rotary pairs")
+        amap = torch.zeros(K, dtype=torch.int64, device=device)
+        for a in range(1, A):  # a handful of axes, not tokens
+            amap[(k % A == a) & (k < A * sec[a])] = a
+        counts = torch.bincount(amap, minlength=A).tolist()
+        if tuple(counts) != sec:
+            raise ValueError(
+                f"interleaved allocation: section {list(sec)} cannot be interleaved over {K} pairs (axis a > 0 takes "
+                f"pairs k = a mod {A} below {A} * section[a]; this gives {counts}); give axis 0 the largest share"
+            )
+        return amap
+
+    if allocation == "multi_head":
+        if num_kv_heads is None or num_kv_heads < 1:
+            raise ValueError("multi_head allocation: num_kv_heads (number of key/value heads) must be >= 1")
+        if sum(sec) > num_kv_heads:
+            raise ValueError(
+                f"multi_head allocation: section {list(sec)} assigns {sum(sec)} KV heads but the model has "
+                f"num_kv_heads={num_kv_heads}"
+            )
+        head_axis = torch.full((num_kv_heads,), -1, dtype=torch.int64, device=device)
+        head_axis[: sum(sec)] = torch.repeat_interleave(torch.arange(len(sec), device=device),
+                                                        torch.tensor(sec, device=device))
+        return head_axis.view(-1, 1).expand(num_kv_heads, K).clone()  # (H_kv, K)
+
+    # low_freq_temporal / hybrid
+    if len(sec) != 3 or sum(sec) != K:
+        raise ValueError(f"{allocation} allocation: section [t, h, w] must have 3 entries summing to {K}, got {list(sec)}")
+    spatial = K - sec[0]
+    if (sec[1], sec[2]) != ((spatial + 1) // 2, spatial // 2):
+        raise ValueError(
+            f"{allocation} allocation: the {spatial} spatial pairs alternate h/w, so section must be "
+            f"[{sec[0]}, {(spatial + 1) // 2}, {spatial // 2}], got {list(sec)}"
+        )
+    amap = torch.where(k % 2 == 0, 1, 2)
+    temporal = 0 if allocation == "low_freq_temporal" else -1
+    return torch.where(k >= spatial, temporal, amap).to(torch.int64)
+
+
+def frequency_matrix(amap: Tensor, inv_freq: Tensor, num_axes: int) -> Tensor:
+    """``(A, K)`` (or ``(H, A, K)``) matrix with ``inv_freq[k]`` in row ``amap[k]`` and zeros elsewhere."""
+    axes = torch.arange(num_axes, device=amap.device).view(-1, 1)  # (A, 1)
+    onehot = amap.unsqueeze(-2) == axes  # (..., A, K)
+    return onehot.to(torch.float32) * inv_freq.float().to(amap.device)

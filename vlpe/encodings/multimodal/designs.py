@@ -1,0 +1,294 @@
+"""Position designs: token layout -> ``position_ids (A, B, S)`` and ``rope_deltas (B, 1)``.
+
+A design places the tokens of every vision *unit* (a grid row, or one frame for per-frame designs) relative
+to the running text position ``s`` at which the unit starts, and says how far the running position advances
+past the unit. Text tokens always advance by one and carry the running position on every axis, so text-only
+input is plain 1D RoPE for every design. The assembly (:func:`assemble`) is one exclusive ``cumsum`` of
+per-token increments, shared by all designs; nothing loops over tokens or blocks.
+
+Designs (the method and the released code each one follows):
+
+==================  ====  =====================================================================================
+name                A     vision token coordinates, unit start ``s``; next text position
+==================  ====  =====================================================================================
+``1d``              1     ``s + raster index``; ``s + T*H*W`` (vanilla RoPE)
+``grid``            3     ``(s + stride*tau, s + i, s + j)``; ``s + max(stride*(T-1), H-1, W-1) + 1``
+                          (Qwen2-VL released code: the maximum over all axes + 1); ``spatial_reset=True`` puts
+                          ``h, w`` at local ``(i, j)`` and keeps the next position (Huang et al. 2025)
+``absolute_time``   3     ``grid`` with ``t = s + floor(tau * second_per_grid_t * tokens_per_second)`` for videos
+                          (Qwen2.5-VL)
+``per_frame``       3     ``grid`` with every video frame its own ``T = 1`` block (Qwen3-VL; frames are separated
+                          by timestamp text in the token sequence)
+``diagonal``        3     ``t' = s + g*tau``, ``(t', t' + i - (H-1)//2, t' + j - (W-1)//2)``; ``s + g*(T-1) + 1``
+                          (VideoRoPE, g = delta = 2; HoPE, g = gamma fixed or drawn per block in training)
+``vrope``           4     ``s + tau*(H+W-1) + u_r`` with the four diagonals ``u_r``; ``s + T*(H+W-1)`` (VRoPE)
+``v2pe``            1     ``s - 1 + delta*(m+1)``, ``delta = stride/256``; ``s + ceil(delta*N)`` (V2PE)
+``pype``            L     per layer ``l``: ``s + tau*(M_l+1) + min(ring, M_l)``; ``s + T*(M_l+1)`` (PyPE)
+==================  ====  =====================================================================================
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
+
+import torch
+from torch import Tensor
+
+from .layout import Check, TokenLayout
+
+__all__ = ["Design", "DesignOut", "DESIGNS", "get_design", "assemble", "V2PE_STRIDES", "HOPE_SCALES"]
+
+#: V2PE's training strides (``v2pe_rnd``): delta = stride / 256, drawn independently for each image.
+V2PE_STRIDES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+#: HoPE's dynamic temporal scaling set (gamma drawn per visual block during training).
+HOPE_SCALES = (0.5, 0.75, 1.0, 1.25, 1.5)
+
+
+@dataclass
+class DesignOut:
+    """What a design returns for the vision tokens of a batch.
+
+    Attributes:
+        offsets: ``(A, B, S)`` coordinates of vision tokens relative to their unit start (absolute on axes
+            that are not ``anchored``).
+        advance: ``(1 or A, B, S)`` running-position advance, read on the last token of each unit.
+        anchored: per axis, whether the unit start is added to ``offsets``.
+        floating: the design produces fractional positions (float output).
+    """
+
+    offsets: Tensor
+    advance: Tensor
+    anchored: tuple[bool, ...]
+    floating: bool
+
+
+@dataclass(frozen=True)
+class Design:
+    name: str
+    fn: Callable[[TokenLayout, dict[str, Any]], DesignOut]
+    defaults: dict[str, Any]
+    split_frames: bool
+    summary: str
+
+    def options(self, given: dict[str, Any]) -> dict[str, Any]:
+        unknown = sorted(set(given) - set(self.defaults))
+        if unknown:
+            raise ValueError(
+                f"position design {self.name!r} does not take option(s) {unknown}; it takes: "
+                f"{', '.join(sorted(self.defaults)) or 'no options'} (plus attention_mask, spatial_merge_size, "
+                "pad_position, dtype, validate)"
+            )
+        return {**self.defaults, **given}
+
+
+def _integral(x: float) -> bool:
+    return float(x).is_integer()
+
+
+def _positive(name: str, value: float, who: str) -> float:
+    try:
+        v = float(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"{who}: {name} must be a positive number, got {value!r}") from None
+    if not math.isfinite(v) or v <= 0:
+        raise ValueError(f"{who}: {name} must be a positive number, got {value!r}")
+    return v
+
+
+def _per_row_choice(values: Sequence[float], L: TokenLayout, generator: torch.Generator | None) -> Tensor:
+    """One value per grid row drawn uniformly from ``values`` (float64, on the layout's device)."""
+    table = torch.tensor([float(v) for v in values], dtype=torch.float64)
+    dev = generator.device if generator is not None else L.device
+    idx = torch.randint(len(values), (L.num_rows,), generator=generator, device=dev)
+    return table.to(L.device)[idx.to(L.device)]
+
+
+# --------------------------------------------------------------------------- designs
+def _one_d(L: TokenLayout, o: dict) -> DesignOut:
+    n = L.T * L.H * L.W  # (B, S)
+    return DesignOut(L.index.unsqueeze(0), n.unsqueeze(0), (True,), False)
+
+
+def _grid(L: TokenLayout, o: dict) -> DesignOut:
+    stride = _positive("temporal_stride", o["temporal_stride"], "grid design")
+    tau, T = L.tau, L.T
+    floating = not _integral(stride)
+    if floating:
+        tau, T = tau.double(), T.double()
+    else:
+        stride = int(stride)
+    t = tau * stride
+    adv = torch.maximum(torch.maximum((T - 1) * stride, (L.H - 1).to(t.dtype)), (L.W - 1).to(t.dtype)) + 1
+    offsets = torch.stack([t, L.i.to(t.dtype), L.j.to(t.dtype)])  # (3, B, S)
+    anchored = (True, False, False) if o["spatial_reset"] else (True, True, True)
+    return DesignOut(offsets, adv.unsqueeze(0), anchored, floating)
+
+
+def _absolute_time(L: TokenLayout, o: dict) -> DesignOut:
+    tps = _positive("tokens_per_second", o["tokens_per_second"], "absolute_time design")
+    is_video = L.row_type == 2  # (R,)
+    spg = o["second_per_grid_ts"]
+    if spg is None:
+        per_row = is_video.float()  # 1.0 s per temporal patch when absent (released default)
+    else:
+        spg = torch.as_tensor(spg, dtype=torch.float32, device=L.device).reshape(-1)
+        n_videos = is_video.sum()
+        L.checks.append(
+            Check(
+                n_videos != spg.numel(),
+                lambda: f"second_per_grid_ts has {spg.numel()} entries but the batch holds {int(n_videos)} videos; "
+                "pass one value (temporal_patch_size / fps) per video, in order of appearance",
+            )
+        )
+        if spg.numel() == 0:
+            spg = torch.zeros(1, device=L.device)
+        vid = (is_video.cumsum(0) - 1).clamp(0, spg.numel() - 1)
+        per_row = torch.where(is_video, spg[vid], torch.zeros_like(spg[vid]))  # images: no time scaling
+    scale = per_row[L.row]  # (B, S) float32
+    # released order of operations: (tau * second_per_grid_t) * tokens_per_second in fp32, then truncation
+    t = ((L.tau.float() * scale) * tps).long()
+    t_last = (((L.T - 1).float() * scale) * tps).long()
+    adv = torch.maximum(torch.maximum(t_last, L.H - 1), L.W - 1) + 1
+    return DesignOut(torch.stack([t, L.i, L.j]), adv.unsqueeze(0), (True, True, True), False)
+
+
+def _diagonal(L: TokenLayout, o: dict) -> DesignOut:
+    who = "diagonal design"
+    if o["training"]:
+        scales = o["temporal_scales"]
+        if scales is None or len(scales) == 0:
+            raise ValueError(f"{who}: training=True draws the temporal scale from temporal_scales; got {scales!r}")
+        for s in scales:
+            _positive("every temporal scale", s, who)
+        gamma = _per_row_choice(scales, L, o["generator"])[L.row]  # (B, S) float64
+    else:
+        gamma = torch.full(L.tau.shape, _positive("temporal_scale", o["temporal_scale"], who),
+                           dtype=torch.float64, device=L.device)
+    t = gamma * L.tau
+    h = t + (L.i - (L.H - 1) // 2)
+    w = t + (L.j - (L.W - 1) // 2)
+    adv = gamma * (L.T - 1) + 1
+    return DesignOut(torch.stack([t, h, w]), adv.unsqueeze(0), (True, True, True), True)
+
+
+def _vrope(L: TokenLayout, o: dict) -> DesignOut:
+    span = L.H + L.W - 1  # index span of one frame
+    ii, jj = L.i, L.j
+    ri, rj = L.H - 1 - ii, L.W - 1 - jj
+    base = L.tau * span
+    offsets = torch.stack([base + ii + jj, base + ii + rj, base + ri + jj, base + ri + rj])  # (4, B, S)
+    return DesignOut(offsets, (L.T * span).unsqueeze(0), (True,) * 4, False)
+
+
+def _v2pe(L: TokenLayout, o: dict) -> DesignOut:
+    who = "v2pe design"
+    tile = _positive("tile_tokens", o["tile_tokens"], who)
+    mode = o["mode"]
+    if mode == "default":
+        stride = torch.full((L.num_rows,), tile, dtype=torch.float64, device=L.device)
+    elif mode == "fix":
+        stride = torch.full((L.num_rows,), _positive("stride", o["stride"], who), dtype=torch.float64,
+                            device=L.device)
+    elif mode == "rnd":
+        for s in o["strides"]:
+            _positive("every stride", s, who)
+        stride = _per_row_choice(o["strides"], L, o["generator"])
+    else:
+        raise ValueError(f"{who}: mode must be 'fix', 'rnd' or 'default', got {mode!r}")
+    n = (L.T * L.H * L.W)  # (B, S) tokens of the block
+    s_tok = stride[L.row]  # (B, S)
+    delta = s_tok / tile
+    offsets = delta * (L.index + 1).double() - 1.0  # (B, S): s - 1 + delta * m, m = 1..N
+    # span ceil(delta * N), exactly: ceil(stride * N / tile) in integers whenever the strides are integers
+    used = {"default": [tile], "fix": [o["stride"]], "rnd": list(o["strides"])}[mode]
+    if _integral(tile) and all(_integral(v) for v in used):
+        adv = ((s_tok.round().long() * n + int(tile) - 1) // int(tile)).double()
+    else:
+        adv = torch.ceil(delta * n.double())
+    return DesignOut(offsets.unsqueeze(0), adv.unsqueeze(0), (True,), True)
+
+
+def _pype(L: TokenLayout, o: dict) -> DesignOut:
+    depth = int(o["depth"])
+    interval = int(o["interval"])
+    if depth < 1 or depth != o["depth"]:
+        raise ValueError(f"pype design: depth (number of decoder layers) must be a positive integer, got {o['depth']!r}")
+    if interval < 1 or interval != o["interval"]:
+        raise ValueError(f"pype design: interval (layers per descent step) must be a positive integer, got "
+                         f"{o['interval']!r}")
+    layer = torch.arange(depth, device=L.device).view(depth, 1, 1)  # (A, 1, 1)
+    half = (torch.minimum(L.H, L.W) // 2).unsqueeze(0)  # (1, B, S)
+    top = torch.minimum(layer // interval + 1, half)
+    M = half - top  # (A, B, S) largest ring index at layer l
+    ring = torch.minimum(torch.minimum(L.i, L.j), torch.minimum(L.H - 1 - L.i, L.W - 1 - L.j)).unsqueeze(0)
+    offsets = L.tau.unsqueeze(0) * (M + 1) + torch.minimum(ring, M)  # (A, B, S)
+    adv = L.T.unsqueeze(0) * (M + 1)
+    return DesignOut(offsets, adv, (True,) * depth, False)
+
+
+DESIGNS: dict[str, Design] = {
+    d.name: d
+    for d in (
+        Design("1d", _one_d, {}, False, "vanilla 1D RoPE: every token advances the position by one"),
+        Design("grid", _grid, {"temporal_stride": 1, "spatial_reset": False}, False,
+               "Qwen2-VL MRoPE grid (released semantics: next text at the maximum over all axes + 1)"),
+        Design("spatial_reset", _grid, {"temporal_stride": 1, "spatial_reset": True}, False,
+               "MRoPE-I spatial reset: h, w local to the block, only t carries the offset"),
+        Design("absolute_time", _absolute_time, {"second_per_grid_ts": None, "tokens_per_second": 2}, False,
+               "Qwen2.5-VL absolute time: t = floor(tau * second_per_grid_t * tokens_per_second)"),
+        Design("per_frame", _grid, {"temporal_stride": 1, "spatial_reset": False}, True,
+               "Qwen3-VL: every frame is its own T = 1 block (timestamps are text between frames)"),
+        Design("diagonal", _diagonal,
+               {"temporal_scale": 2.0, "temporal_scales": HOPE_SCALES, "training": False, "generator": None}, False,
+               "VideoRoPE / HoPE diagonal layout with temporal scale (delta or gamma)"),
+        Design("vrope", _vrope, {}, False, "VRoPE: four diagonal coordinates, frames tile the index line"),
+        Design("v2pe", _v2pe,
+               {"mode": "fix", "stride": 64, "strides": V2PE_STRIDES, "tile_tokens": 256, "generator": None}, False,
+               "V2PE: fractional increments delta = stride / 256 inside images"),
+        Design("pype", _pype, {"depth": 32, "interval": 4}, False,
+               "PyPE: per-layer concentric rings, periphery first, expanding centre"),
+    )
+}
+
+
+def get_design(name: str) -> Design:
+    if isinstance(name, Design):
+        return name
+    if name not in DESIGNS:
+        raise ValueError(f"unknown position design {name!r}; designs are: {', '.join(DESIGNS)}")
+    return DESIGNS[name]
+
+
+# --------------------------------------------------------------------------- assembly
+def assemble(
+    L: TokenLayout,
+    out: DesignOut,
+    *,
+    pad_position: float = 1,
+    dtype: torch.dtype | None = None,
+) -> tuple[Tensor, Tensor]:
+    """Running positions by one exclusive cumsum, then vision coordinates; returns ``(ids, deltas)``.
+
+    ``ids`` is ``(A, B, S)``; ``deltas`` is ``(B, 1)`` (``(B, A)`` when the advance differs per axis, PyPE),
+    the next free position minus the number of real tokens (Hugging Face 5.x convention).
+    """
+    if dtype is None:
+        dtype = torch.float32 if out.floating else torch.int64
+    if out.floating and not dtype.is_floating_point:
+        raise ValueError(f"this position design produces fractional positions; dtype must be a float dtype, got {dtype}")
+    work = torch.float64 if dtype.is_floating_point else torch.int64
+    text = (L.valid & ~L.vision).to(work).unsqueeze(0)  # (1, B, S)
+    adv = torch.where(L.last.unsqueeze(0), out.advance.to(work), torch.zeros((), dtype=work, device=L.device))
+    inc = text + adv  # (A', B, S)
+    running = inc.cumsum(-1) - inc  # exclusive: position when each token (or its unit) starts
+    A = out.offsets.shape[0]
+    B, S = L.valid.shape
+    anchored = torch.tensor(out.anchored, dtype=work, device=L.device).view(A, 1, 1)
+    vis_pos = out.offsets.to(work) + running * anchored  # (A, B, S)
+    ids = torch.where(L.vision.unsqueeze(0), vis_pos, running.expand(A, B, S))
+    ids = ids.masked_fill(~L.valid.unsqueeze(0), pad_position)
+    next_pos = inc.sum(-1)  # (A', B)
+    deltas = (next_pos - L.valid_len.to(work).unsqueeze(0)).transpose(0, 1)  # (B, A')
+    return ids.to(dtype), deltas.to(dtype)

@@ -1,0 +1,297 @@
+"""The named multimodal RoPE variants as vlpe encodings (``vlpe.encodings.build("mrope_i", ...)``).
+
+Each encoding rotates q/k with its variant's frequency allocation, reading ``vlpe.Positions`` whose
+coordinates are the variant's position ids, ``coords = position_ids.permute(1, 2, 0)`` i.e. ``(B, S, A)``.
+``enc.positions(mm_token_type_ids, grid_thw, ...)`` builds them (the padding becomes ``valid``).
+``rope1d`` (1D decoder RoPE) is the core encoding of :mod:`vlpe.encodings.rope`; the multimodal ``rope1d``
+variant of :func:`vlpe.encodings.multimodal.rotary` uses the same frequencies and angles.
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar, Literal, Sequence
+
+import torch
+from torch import Tensor
+
+from ...positions import Positions
+from ..base import Context
+from ..functional.rope import apply_rope, cos_sin, inv_freq, rope_angles, to_half, to_interleaved
+from ..registry import register
+from ..rope import _RotaryBase
+from .allocations import allocation_map, axes_of, frequency_matrix
+from .variants import VARIANTS, Variant
+from .variants import position_ids as _position_ids
+
+__all__ = [
+    "MultimodalRoPE",
+    "MRoPE",
+    "Qwen25VLRoPE",
+    "MRoPEInterleave",
+    "Qwen3VLRoPE",
+    "MultiHeadRoPE",
+    "VideoRoPE",
+    "HoPEVideo",
+    "VRoPE",
+    "V2PE",
+    "PyPE",
+]
+
+
+class MultimodalRoPE(_RotaryBase):
+    """Base: a multimodal variant's allocation as an ``(A, D/2)`` frequency buffer (``(H, A, D/2)`` per head)."""
+
+    variant: ClassVar[str] = ""
+
+    def __init__(
+        self,
+        *,
+        dim: int,
+        num_heads: int,
+        depth: int = 12,
+        num_axes: int = 3,
+        theta: float | None = None,
+        section: Sequence[int] | None = None,
+        layout: Literal["half", "interleaved"] = "half",
+    ) -> None:
+        super().__init__(dim=dim, num_heads=num_heads, depth=depth, num_axes=num_axes, layout=layout)
+        v = self.spec
+        self.theta = float(v.theta if theta is None else theta)
+        if self.theta <= 0:
+            raise ValueError(f"theta must be > 0, got {theta}")
+        self.section = None if section is None else tuple(section)
+        self.register_buffer("freqs", self._frequencies(), persistent=False)
+
+    @property
+    def spec(self) -> Variant:
+        return VARIANTS[self.variant]
+
+    def _map(self) -> Tensor:
+        v = self.spec
+        need = axes_of(v.allocation, self.section, self.num_axes)
+        if need is not None and need != self.num_axes:
+            raise ValueError(
+                f"{type(self).__name__}: the {v.allocation} allocation reads {need} position axes, got num_axes="
+                f"{self.num_axes}"
+            )
+        return allocation_map(
+            v.allocation, num_pairs=self.head_dim // 2, num_axes=self.num_axes, section=self.section
+        )
+
+    def _frequencies(self) -> Tensor:
+        if self.head_dim % 2:
+            raise ValueError(f"rotary encodings need an even head dim, got {self.head_dim}")
+        base = inv_freq(self.head_dim // 2, self.theta, dim=self.head_dim)  # (D/2,)
+        return frequency_matrix(self._map(), base, self.num_axes)  # (A, D/2)
+
+    def positions(
+        self,
+        mm_token_type_ids: Tensor,
+        grid_thw: Tensor | None,
+        attention_mask: Tensor | None = None,
+        spatial_merge_size: int = 2,
+        **options,
+    ) -> Positions:
+        """``vlpe.Positions`` of a multimodal batch for this variant (padding marked invalid)."""
+        ids, _ = _position_ids(self.spec, mm_token_type_ids, grid_thw, attention_mask, spatial_merge_size, **options)
+        valid = None if attention_mask is None else torch.as_tensor(attention_mask).bool()
+        coords = ids.permute(1, 2, 0)
+        if not coords.is_floating_point():
+            coords = coords.float()
+        return Positions(coords, valid=valid)
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, theta={self.theta}, section={self.section}"
+
+
+@register("mrope")
+class MRoPE(MultimodalRoPE):
+    """MRoPE of Qwen2-VL (Wang et al., arXiv 2409.12191): chunked (t, h, w) pairs, ``mrope_section`` [16, 24, 24].
+
+    Position design ``grid`` (released semantics). Tables checked against transformers'
+    ``Qwen2VLRotaryEmbedding`` and ids against ``Qwen2VLModel.get_rope_index``.
+    """
+
+    variant = "mrope"
+    supported_axes = (3,)
+
+
+@register("qwen25vl")
+class Qwen25VLRoPE(MRoPE):
+    """Qwen2.5-VL (Bai et al., arXiv 2502.13923): MRoPE with absolute-time temporal ids, base 1e6.
+
+    Same tables as ``mrope``; the ``absolute_time`` design (t = floor(tau * second_per_grid_t * tokens_per_second))
+    is checked against a loop of the released transformers 4.x semantics.
+    """
+
+    variant = "qwen25vl"
+
+
+@register("mrope_i")
+class MRoPEInterleave(MultimodalRoPE):
+    """MRoPE-Interleave (Huang et al., "Revisiting Multimodal Positional Encoding in VLMs", arXiv 2510.23095).
+
+    Interleaved allocation t h w t h w ... t t t t ([24, 20, 20] at K = 64) so every axis spans the spectrum;
+    grid design with optional ``spatial_reset``. Checked against JJJYmmm/Multimodal-RoPEs and transformers'
+    ``Qwen3VLTextRotaryEmbedding``.
+    """
+
+    variant = "mrope_i"
+    supported_axes = (3,)
+
+
+@register("qwen3vl")
+class Qwen3VLRoPE(MRoPEInterleave):
+    """Qwen3-VL (Qwen team 2025): MRoPE-I allocation, per-frame video blocks separated by timestamp text, base 5e6.
+
+    Ids checked against transformers 5.x ``Qwen3VLModel.get_rope_index``; tables against
+    ``Qwen3VLTextRotaryEmbedding``.
+    """
+
+    variant = "qwen3vl"
+
+
+@register("mhrope")
+class MultiHeadRoPE(MultimodalRoPE):
+    """Multi-Head RoPE (Huang et al., arXiv 2510.23095): whole KV heads per axis ([2, 3, 3] of 8), GQA aware.
+
+    ``section`` counts KV heads per axis; query head ``j`` uses the axis of KV head ``j // (H / H_kv)``;
+    heads beyond the section sum carry no position. Checked against JJJYmmm/Multimodal-RoPEs ``mhrope``.
+    """
+
+    variant = "mhrope"
+    supported_axes = (3,)
+
+    def __init__(self, *, num_kv_heads: int | None = None, **kwargs) -> None:
+        self.num_kv_heads = kwargs.get("num_heads") if num_kv_heads is None else num_kv_heads
+        super().__init__(**kwargs)
+
+    def _map(self) -> Tensor:
+        H, Hkv = self.num_heads, self.num_kv_heads
+        if Hkv is None or Hkv < 1 or H % Hkv:
+            raise ValueError(f"num_kv_heads must divide num_heads={H}, got {Hkv}")
+        amap = allocation_map("multi_head", num_pairs=self.head_dim // 2, section=self.section, num_kv_heads=Hkv)
+        return amap.repeat_interleave(H // Hkv, dim=0)  # (H, D/2): query head j reads KV head j // rep
+
+    def _prepare(self, ctx: Context) -> None:
+        cos, sin = cos_sin(rope_angles(ctx.pos.coords, self.freqs))  # (B, H, N, D/2)
+        ctx["cos"], ctx["sin"] = cos, sin
+
+
+@register("videorope")
+class VideoRoPE(MultimodalRoPE):
+    """VideoRoPE (Wei et al., ICML 2025, arXiv 2502.05173): low-frequency temporal allocation + diagonal layout.
+
+    Pairs below K - 16 alternate h/w, the 16 lowest-frequency pairs read t; ids from the ``diagonal`` design
+    with delta = 2. Checked against Wiselnn570/VideoRoPE ``get_t_scale_rope_index`` and
+    ``apply_m_modify_multimodal_rotary_pos_emb``.
+    """
+
+    variant = "videorope"
+    supported_axes = (3,)
+
+
+@register("hope_video")
+class HoPEVideo(MultimodalRoPE):
+    """HoPE for video (Li et al., NeurIPS 2025, arXiv 2505.20444): hybrid allocation + dynamic temporal scaling.
+
+    As VideoRoPE, with the lowest-frequency band carrying no position (text included, so text-only HoPE is
+    1D RoPE with that band unrotated); gamma fixed at inference, drawn per block in training. Checked against
+    hrlics/HoPE ``apply_hybrid_multimodal_rotary_pos_emb`` and ``get_dynamic_rope_index``.
+    """
+
+    variant = "hope_video"
+    supported_axes = (3,)
+
+
+@register("vrope")
+class VRoPE(MultimodalRoPE):
+    """VRoPE (Liu et al., EMNLP 2025, arXiv 2502.11664): four diagonal coordinates, pair k reads ``U_{k mod 4}``.
+
+    Frames tile the index line without gaps and the mean coordinate is constant within a frame. Checked
+    against johncaged/VRoPE ``generate_nd_positions``.
+    """
+
+    variant = "vrope"
+    supported_axes = (4,)
+
+    def __init__(self, *, num_axes: int = 4, **kwargs) -> None:
+        super().__init__(num_axes=num_axes, **kwargs)
+
+
+@register("v2pe")
+class V2PE(MultimodalRoPE):
+    """V2PE (Ge et al., arXiv 2412.09616): 1D RoPE with fractional increments delta = stride / 256 in images.
+
+    Plain 1D frequencies on float positions; ids checked against OpenGVLab/V2PE ``get_rope_pos_id``.
+    """
+
+    variant = "v2pe"
+    supported_axes = (1,)
+
+    def __init__(self, *, num_axes: int = 1, **kwargs) -> None:
+        super().__init__(num_axes=num_axes, **kwargs)
+
+
+@register("pype")
+class PyPE(MultimodalRoPE):
+    """PyPE (Chen et al., arXiv 2501.10967): per-layer concentric ring positions plus the ring attention mask.
+
+    Positions have one axis per decoder layer (``num_axes = depth``; 1 shares one axis over all layers);
+    layer ``l`` rotates with 1D RoPE at axis ``l``. With ``mask=True`` the ``score`` hook adds PyPE's mask,
+    key k visible to query q iff ``pos_l(k) <= pos_l(q)`` (it replaces the causal mask: do not also pass
+    ``is_causal``). Checked against SakuraTroyChen/PyPE ``pype_forward``.
+    """
+
+    variant = "pype"
+    supported_axes = None
+    #: the registry-wide property kit runs the rotation alone (the -inf mask makes logit differences NaN)
+    kit_options: ClassVar[dict] = {"mask": False}
+
+    def __init__(self, *, depth: int = 12, num_axes: int | None = None, mask: bool = True, **kwargs) -> None:
+        self.mask = bool(mask)
+        num_axes = depth if num_axes is None else num_axes
+        if num_axes not in (1, depth):
+            raise ValueError(
+                f"PyPE positions have one axis per layer: num_axes must be 1 or depth={depth}, got {num_axes}"
+            )
+        super().__init__(depth=depth, num_axes=num_axes, **kwargs)
+
+    def _frequencies(self) -> Tensor:
+        if self.head_dim % 2:
+            raise ValueError(f"rotary encodings need an even head dim, got {self.head_dim}")
+        if self.section is not None:
+            raise ValueError("PyPE uses plain 1D frequencies; it takes no section")
+        return inv_freq(self.head_dim // 2, self.theta, dim=self.head_dim).unsqueeze(0)  # (1, D/2)
+
+    def _axis(self, layer: int) -> int:
+        if not 0 <= layer < self.depth:
+            raise ValueError(f"PyPE: layer must be in [0, depth={self.depth}), got {layer}")
+        return 0 if self.num_axes == 1 else layer
+
+    def _prepare(self, ctx: Context) -> None:
+        ctx["coords"] = ctx.pos.coords  # per-layer tables are built in rotate (they differ per layer)
+
+    def rotate(self, q: Tensor, k: Tensor, ctx: Context, layer: int) -> tuple[Tensor, Tensor]:
+        a = self._axis(layer)
+        coords = ctx["coords"][..., a : a + 1]  # (B, N, 1)
+        cos, sin = cos_sin(rope_angles(coords, self.freqs))  # (B, N, D/2)
+        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+        if self.layout == "interleaved":
+            return to_interleaved(apply_rope(to_half(q), cos, sin)), to_interleaved(apply_rope(to_half(k), cos, sin))
+        return apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+
+    def score(self, q: Tensor, k: Tensor, ctx: Context, layer: int, rows: slice | None = None) -> Tensor | None:
+        if not self.mask:
+            return None
+        a = self._axis(layer)
+        p = ctx["coords"][..., a]  # (B, N)
+        pq = p if rows is None else p[:, rows]
+        forbid = p.unsqueeze(1) > pq.unsqueeze(2)  # (B, n, N): pos(k) > pos(q)
+        bias = torch.zeros(forbid.shape, dtype=q.dtype, device=q.device).masked_fill(forbid, float("-inf"))
+        return bias.unsqueeze(1)  # (B, 1, n, N)
+
+    def neutralize(self) -> "PyPE":
+        self.freqs.zero_()
+        self.mask = False
+        return self

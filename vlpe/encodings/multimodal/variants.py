@@ -1,0 +1,402 @@
+"""Named multimodal RoPE variants (one position design + one frequency allocation) and the functional API."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from typing import Any, Mapping, Sequence
+
+import torch
+from torch import Tensor
+
+from ..functional.rope import apply_rope, cos_sin, inv_freq as _inv_freq, rope_angles
+from .allocations import ALLOCATIONS, allocation_map, axes_of, frequency_matrix
+from .designs import DESIGNS, Design, assemble, get_design
+from .layout import token_layout
+
+__all__ = [
+    "Variant",
+    "VARIANTS",
+    "get_variant",
+    "position_ids",
+    "rotary",
+    "decode_position_ids",
+    "apply_rotary_pos_emb",
+    "merge_grids",
+    "pype_attention_mask",
+]
+
+_AXES = {"1d": 1, "v2pe": 1, "vrope": 4}  # every other design but pype has (t, h, w); pype has one per layer
+
+
+@dataclass(frozen=True)
+class Variant:
+    """A multimodal RoPE: a position design paired with a frequency allocation.
+
+    Any design pairs with any allocation whose axis count fits (a single-axis design is broadcast to every
+    axis an allocation reads), e.g. ``Variant("diagonal", "interleaved")`` or ``Variant("grid", "hybrid")``.
+
+    Args:
+        design: a name of :data:`vlpe.encodings.multimodal.designs.DESIGNS`.
+        allocation: a name of :data:`vlpe.encodings.multimodal.allocations.ALLOCATIONS`.
+        design_options: defaults for the design's options (overridable per call).
+        section: the allocation's section (None: the default scaled to the head dim).
+        theta: default RoPE base.
+        name: the registered name, if any.
+    """
+
+    design: str
+    allocation: str
+    design_options: Mapping[str, Any] = field(default_factory=dict)
+    section: tuple[int, ...] | None = None
+    theta: float = 10000.0
+    name: str | None = None
+
+    def __post_init__(self) -> None:
+        d = get_design(self.design)
+        if self.allocation not in ALLOCATIONS:
+            raise ValueError(
+                f"unknown frequency allocation {self.allocation!r}; allocations are: {', '.join(ALLOCATIONS)}"
+            )
+        d.options(dict(self.design_options))  # unknown options fail now
+        if d.name == "pype" and self.allocation != "none":
+            raise ValueError("the pype design has one position axis per layer; pair it with the 'none' allocation")
+        if self.section is not None:
+            object.__setattr__(self, "section", tuple(self.section))
+        if self.theta <= 0:
+            raise ValueError(f"theta must be > 0, got {self.theta}")
+
+    @property
+    def label(self) -> str:
+        return self.name or f"{self.design}+{self.allocation}"
+
+    def num_axes(self, **options: Any) -> int:
+        """Number of position axes A the design produces (PyPE: its ``depth``)."""
+        d = get_design(self.design)
+        if d.name == "pype":
+            return int(d.options({**self.design_options, **options})["depth"])
+        return _AXES.get(d.name, 3)
+
+    # the functional API, bound to this variant
+    def position_ids(self, mm_token_type_ids, grid_thw, attention_mask=None, spatial_merge_size=2, **options):
+        return position_ids(self, mm_token_type_ids, grid_thw, attention_mask, spatial_merge_size, **options)
+
+    def rotary(self, ids: Tensor, **kwargs):
+        return rotary(self, ids, **kwargs)
+
+    def decode_position_ids(self, rope_deltas: Tensor, cache_position: Tensor, **kwargs):
+        return decode_position_ids(self, rope_deltas, cache_position, **kwargs)
+
+
+VARIANTS: dict[str, Variant] = {
+    v.name: v
+    for v in (
+        Variant("1d", "none", theta=10000.0, name="rope1d"),
+        Variant("grid", "chunked", theta=1e6, name="mrope"),
+        Variant("absolute_time", "chunked", theta=1e6, name="qwen25vl"),
+        Variant("grid", "interleaved", theta=1e6, name="mrope_i"),
+        Variant("per_frame", "interleaved", theta=5e6, name="qwen3vl"),
+        Variant("grid", "multi_head", theta=1e6, name="mhrope"),
+        Variant("diagonal", "low_freq_temporal", {"temporal_scale": 2.0}, theta=1e6, name="videorope"),
+        Variant("diagonal", "hybrid", {"temporal_scale": 0.75}, theta=1e6, name="hope_video"),
+        Variant("vrope", "interleaved", theta=10000.0, name="vrope"),
+        Variant("v2pe", "none", theta=1e6, name="v2pe"),
+        Variant("pype", "none", theta=10000.0, name="pype"),
+    )
+}
+
+
+def get_variant(variant: str | Variant, *, allocation: str | None = None) -> Variant:
+    """A :class:`Variant` from a registered name (or a Variant), with an optional allocation override."""
+    if isinstance(variant, Variant):
+        v = variant
+    elif isinstance(variant, str) and variant in VARIANTS:
+        v = VARIANTS[variant]
+    else:
+        raise ValueError(
+            f"unknown multimodal RoPE variant {variant!r}; variants are: {', '.join(VARIANTS)} "
+            f"(or pair a design with an allocation: Variant(design, allocation), designs: {', '.join(DESIGNS)})"
+        )
+    if allocation is not None and allocation != v.allocation:
+        v = replace(v, allocation=allocation, section=None, name=None)
+    return v
+
+
+# --------------------------------------------------------------------------- position ids
+def position_ids(
+    variant: str | Variant,
+    mm_token_type_ids: Tensor,
+    grid_thw: Tensor | None,
+    attention_mask: Tensor | None = None,
+    spatial_merge_size: int = 2,
+    *,
+    pad_position: float = 1,
+    dtype: torch.dtype | None = None,
+    validate: bool = True,
+    **options: Any,
+) -> tuple[Tensor, Tensor]:
+    """Multimodal position ids and rope deltas of a batch (Hugging Face 5.x argument conventions).
+
+    Args:
+        variant: a registered variant name or a :class:`Variant`.
+        mm_token_type_ids: ``(B, S)`` 0 text, 1 image, 2 video.
+        grid_thw: ``(blocks, 3)`` grids in patches before spatial merging, in order of appearance over the
+            batch (see :func:`merge_grids` to interleave Hugging Face's image and video grids); None when
+            text only.
+        attention_mask: ``(B, S)`` 1 real / 0 padding (any padding side); None when all tokens are real.
+        spatial_merge_size: patches merged per axis into one decoder token.
+        pad_position: the id given to padding slots (1, as the released Qwen2-VL code).
+        dtype: output dtype; default int64 for integer designs, float32 for fractional ones (use float64 for
+            V2PE beyond ~1e6 positions).
+        validate: check the inputs (one host read of one boolean); False makes the call free of host syncs.
+        **options: the design's options, e.g. ``spatial_reset=True``, ``second_per_grid_ts=...``,
+            ``temporal_scale=0.75``, ``training=True``, ``stride=64``, ``depth=32``.
+
+    Returns:
+        ``position_ids`` ``(A, B, S)`` and ``rope_deltas`` ``(B, 1)`` (``(B, A)`` for PyPE, one per layer):
+        the next free position minus the number of real tokens, so a generated token at real index ``n``
+        gets ``n + delta`` on every axis (:func:`decode_position_ids`).
+    """
+    v = get_variant(variant)
+    design = get_design(v.design)
+    opts = design.options({**v.design_options, **options})
+    layout = token_layout(
+        mm_token_type_ids, grid_thw, attention_mask, spatial_merge_size=spatial_merge_size,
+        split_frames=design.split_frames,
+    )
+    out = design.fn(layout, opts)
+    if validate:
+        layout.validate()
+    return assemble(layout, out, pad_position=pad_position, dtype=dtype)
+
+
+def decode_position_ids(
+    variant: str | Variant,
+    rope_deltas: Tensor,
+    cache_position: Tensor,
+    *,
+    attention_mask: Tensor | None = None,
+    **options: Any,
+) -> Tensor:
+    """Position ids ``(A, B, n)`` of text tokens generated after a prompt.
+
+    A generated token at real-token index ``n`` gets ``n + rope_delta`` on every axis (PyPE: per layer).
+
+    Args:
+        variant: the variant the prompt ids were built with (fixes the axis count A).
+        rope_deltas: ``(B, 1)`` (or ``(B, A)``) from :func:`position_ids`.
+        cache_position: ``(n,)`` or ``(B, n)`` indices of the new tokens in the (padded) sequence.
+        attention_mask: ``(B, L)`` mask of the whole sequence so far (prompt + generated, ``L`` beyond the
+            largest cache position); needed when the prompt is padded, so that padding is not counted.
+            Without it the cache position is taken as the real-token index.
+        **options: the design options used for the prompt (PyPE: ``depth``).
+    """
+    v = get_variant(variant)
+    deltas = torch.as_tensor(rope_deltas)
+    if deltas.dim() == 1:
+        deltas = deltas.unsqueeze(1)
+    if deltas.dim() != 2:
+        raise ValueError(f"rope_deltas must have shape (B, 1) (or (B, A)), got {tuple(deltas.shape)}")
+    A = v.num_axes(**options) if deltas.shape[1] == 1 else deltas.shape[1]
+    if deltas.shape[1] not in (1, A):
+        raise ValueError(f"{v.label}: rope_deltas must have shape (B, 1) or (B, {A}), got {tuple(deltas.shape)}")
+    B = deltas.shape[0]
+    cache_position = torch.as_tensor(cache_position, device=deltas.device)
+    if cache_position.dim() == 1:
+        cache_position = cache_position.unsqueeze(0).expand(B, -1)
+    if cache_position.dim() != 2 or cache_position.shape[0] != B:
+        raise ValueError(f"cache_position must have shape (n,) or (B={B}, n), got {tuple(cache_position.shape)}")
+    cache_position = cache_position.to(torch.int64)
+    if attention_mask is not None:
+        mask = torch.as_tensor(attention_mask, device=deltas.device)
+        if mask.dim() != 2 or mask.shape[0] != B:
+            raise ValueError(f"attention_mask must have shape (B={B}, L), got {tuple(mask.shape)}")
+        real = mask.to(torch.int64).cumsum(-1) - 1  # (B, L) real-token index
+        index = real.gather(1, cache_position)
+    else:
+        index = cache_position
+    ids = index.unsqueeze(0).to(deltas.dtype) + deltas.transpose(0, 1).unsqueeze(-1)  # (A', B, n)
+    return ids.expand(A, -1, -1)
+
+
+# --------------------------------------------------------------------------- rotary tables
+def rotary(
+    variant: str | Variant,
+    position_ids: Tensor,
+    *,
+    head_dim: int,
+    theta: float | None = None,
+    num_kv_heads: int | None = None,
+    allocation: str | None = None,
+    section: Sequence[int] | None = None,
+    rotary_dim: int | None = None,
+    inv_freq: Tensor | None = None,
+    attention_scaling: float = 1.0,
+    layer: int | None = None,
+    dtype: torch.dtype = torch.float32,
+) -> tuple[Tensor, Tensor]:
+    """``(cos, sin)`` tables in the Hugging Face 5.x convention (half layout, ``cat(angles, angles)``).
+
+    Angles are ``position[axis(k)] * inv_freq[k]`` in fp32 (fp64 for fp64 ids) with autocast off; pairs
+    without an axis get cos 1, sin 0. Shapes: ``(B, S, rotary_dim)``, usable with transformers'
+    ``apply_rotary_pos_emb``; ``(B, H_kv, S, rotary_dim)`` for the ``multi_head`` allocation (apply with
+    :func:`apply_rotary_pos_emb`, which repeats KV-head tables for grouped query heads); for PyPE
+    ``(depth, B, S, rotary_dim)``, or ``(B, S, rotary_dim)`` of one ``layer``.
+
+    Args:
+        variant: a registered variant name or a :class:`Variant`.
+        position_ids: ``(A, B, S)`` from :func:`position_ids` (``(B, S)`` is taken as one axis).
+        head_dim: attention head dim; ``rotary_dim`` (default ``head_dim``) rotary channels of it.
+        theta: RoPE base (default: the variant's).
+        num_kv_heads: key/value heads (``multi_head`` allocation).
+        allocation, section: override the variant's frequency allocation / its section.
+        inv_freq: ``(rotary_dim/2,)`` inverse frequencies to use instead of ``theta`` (e.g. YaRN-scaled ones
+            from ``transformers.modeling_rope_utils``), with their ``attention_scaling``.
+        layer: PyPE only: the decoder layer whose table to return.
+        dtype: dtype of the returned tables.
+    """
+    v = get_variant(variant, allocation=allocation)
+    alloc = v.allocation
+    sec = tuple(section) if section is not None else v.section
+    ids = torch.as_tensor(position_ids)
+    if ids.dim() == 2:
+        ids = ids.unsqueeze(0)
+    if ids.dim() != 3:
+        raise ValueError(f"position_ids must have shape (A, B, S) (or (B, S)), got {tuple(ids.shape)}")
+    rotary_dim = head_dim if rotary_dim is None else rotary_dim
+    if rotary_dim % 2 or rotary_dim < 2 or rotary_dim > head_dim:
+        raise ValueError(f"rotary_dim must be even and in [2, head_dim={head_dim}], got {rotary_dim}")
+    K = rotary_dim // 2
+    theta = v.theta if theta is None else float(theta)
+    if theta <= 0:
+        raise ValueError(f"theta must be > 0, got {theta}")
+    if inv_freq is None:
+        freqs = _inv_freq(K, theta, dim=rotary_dim, device=ids.device)
+    else:
+        freqs = torch.as_tensor(inv_freq, device=ids.device).float().reshape(-1)
+        if freqs.numel() != K:
+            raise ValueError(f"inv_freq must have rotary_dim / 2 = {K} entries, got {freqs.numel()}")
+
+    per_layer = get_design(v.design).name == "pype"
+    if per_layer:
+        if layer is not None:
+            if not 0 <= layer < ids.shape[0]:
+                raise ValueError(f"layer must be in [0, {ids.shape[0]}) (the PyPE depth), got {layer}")
+            ids = ids[layer : layer + 1]
+        coords = ids.unsqueeze(-1)  # (L, B, S, 1): every layer is its own 1D position
+        amap = allocation_map("none", num_pairs=K, device=ids.device)
+        F = frequency_matrix(amap, freqs, 1)  # (1, K)
+        angles = rope_angles(coords.flatten(0, 1), F).reshape(*ids.shape, K)  # (L, B, S, K)
+        if layer is not None:
+            angles = angles[0]
+    else:
+        if layer is not None:
+            raise ValueError(f"layer= is only for the layer-dependent PyPE design, not {v.label}")
+        need = axes_of(alloc, sec, ids.shape[0])
+        A = ids.shape[0]
+        if need is not None and A != need:
+            if A != 1:
+                raise ValueError(
+                    f"{v.label}: the {alloc} allocation reads {need} position axes but position_ids have {A}"
+                )
+            ids, A = ids.expand(need, -1, -1), need
+        amap = allocation_map(alloc, num_pairs=K, num_axes=A, section=sec, num_kv_heads=num_kv_heads,
+                              device=ids.device)
+        F = frequency_matrix(amap, freqs, A)  # (A, K) or (H_kv, A, K)
+        angles = rope_angles(ids.permute(1, 2, 0), F)  # (B, S, K) or (B, H_kv, S, K)
+    cos, sin = cos_sin(angles)
+    cos, sin = torch.cat([cos, cos], dim=-1), torch.cat([sin, sin], dim=-1)
+    if attention_scaling != 1.0:
+        cos, sin = cos * attention_scaling, sin * attention_scaling
+    return cos.to(dtype), sin.to(dtype)
+
+
+def apply_rotary_pos_emb(
+    q: Tensor, k: Tensor, cos: Tensor, sin: Tensor, unsqueeze_dim: int = 1
+) -> tuple[Tensor, Tensor]:
+    """Rotate ``q, k`` ``(B, H, S, D)`` by tables from :func:`rotary` (Hugging Face signature).
+
+    ``(B, S, d)`` tables broadcast over heads (``unsqueeze_dim``) exactly as transformers'
+    ``apply_rotary_pos_emb``; per-head ``(B, H_kv, S, d)`` tables are repeated for grouped query heads
+    (query head ``j`` uses KV head ``j // (H / H_kv)``). ``d < D`` rotates the first ``d`` channels.
+    """
+
+    def one(x: Tensor, c: Tensor, s: Tensor) -> Tensor:
+        if c.dim() == 3:
+            c, s = c.unsqueeze(unsqueeze_dim), s.unsqueeze(unsqueeze_dim)
+        elif c.dim() == 4 and c.shape[1] != x.shape[1]:
+            if x.shape[1] % c.shape[1]:
+                raise ValueError(f"{x.shape[1]} heads cannot share {c.shape[1]} per-head rotary tables")
+            rep = x.shape[1] // c.shape[1]
+            c, s = c.repeat_interleave(rep, dim=1), s.repeat_interleave(rep, dim=1)
+        half = c.shape[-1] // 2
+        return apply_rope(x, c[..., :half], s[..., :half])
+
+    return one(q, cos, sin), one(k, cos, sin)
+
+
+# --------------------------------------------------------------------------- helpers
+def merge_grids(
+    mm_token_type_ids: Tensor,
+    image_grid_thw: Tensor | None = None,
+    video_grid_thw: Tensor | None = None,
+    attention_mask: Tensor | None = None,
+    spatial_merge_size: int = 2,
+) -> tuple[Tensor, Tensor]:
+    """Interleave Hugging Face's separate image and video grids into order of appearance.
+
+    Returns ``grid_thw (R, 3)`` for :func:`position_ids` and the ``(R,)`` token type (1 image, 2 video) of
+    each row. Vectorised: each row's first token is located by counting the tokens of its modality.
+    """
+    types = torch.as_tensor(mm_token_type_ids).to(torch.int64)
+    device = types.device
+    B, S = types.shape
+    valid = torch.ones_like(types, dtype=torch.bool) if attention_mask is None else attention_mask.to(device).bool()
+    flat_pos = torch.arange(B * S, device=device)
+    grids, kinds, firsts = [], [], []
+    for kind, g in ((1, image_grid_thw), (2, video_grid_thw)):  # two modalities, not tokens
+        if g is None:
+            continue
+        g = torch.as_tensor(g, device=device).to(torch.int64).reshape(-1, 3)
+        R = g.shape[0]
+        if R == 0:
+            continue
+        n = g[:, 0] * (g[:, 1] // spatial_merge_size) * (g[:, 2] // spatial_merge_size)  # (R,)
+        cum = n.cumsum(0)
+        mine = ((types == kind) & valid).reshape(-1)
+        idx = mine.to(torch.int64).cumsum(0) - 1  # (B*S,)
+        row = torch.searchsorted(cum, idx, right=True).clamp_(max=R - 1)
+        first = mine & (idx == cum[row] - n[row])
+        slot = torch.where(first, row, torch.full_like(row, R))
+        pos = torch.full((R + 1,), B * S, dtype=torch.int64, device=device)
+        pos = pos.scatter_(0, slot, flat_pos)[:R] + torch.arange(R, device=device)  # missing rows sort last
+        grids.append(g)
+        kinds.append(torch.full((R,), kind, dtype=torch.int64, device=device))
+        firsts.append(pos)
+    if not grids:
+        return torch.zeros(0, 3, dtype=torch.int64, device=device), torch.zeros(0, dtype=torch.int64, device=device)
+    order = torch.cat(firsts).argsort(stable=True)
+    return torch.cat(grids)[order], torch.cat(kinds)[order]
+
+
+def pype_attention_mask(
+    position_ids: Tensor, layer: int | None = None, attention_mask: Tensor | None = None
+) -> Tensor:
+    """PyPE's attention mask as a keep mask ``(B, 1, S, S)``: query q sees key k iff ``pos(k) <= pos(q)``.
+
+    With PyPE positions this one rule is the method's mask: causal for text (positions increase), inside an
+    image a token sees every token of its own or an outer ring (``rho(k) <= rho(q)``, same-ring tokens
+    bidirectionally), and image tokens see all earlier text. It replaces the causal mask. ``position_ids``
+    is ``(depth, B, S)`` with ``layer`` given, or one layer's ``(B, S)``; ``attention_mask`` (B, S) hides
+    padded keys.
+    """
+    ids = torch.as_tensor(position_ids)
+    if ids.dim() == 3:
+        if layer is None:
+            raise ValueError("pass layer= to pick one layer of (depth, B, S) PyPE position ids")
+        ids = ids[layer]
+    if ids.dim() != 2:
+        raise ValueError(f"position_ids must be (depth, B, S) or (B, S), got {tuple(ids.shape)}")
+    keep = ids.unsqueeze(-2) <= ids.unsqueeze(-1)  # (B, S_q, S_k): pos(k) <= pos(q)
+    if attention_mask is not None:
+        keep = keep & attention_mask.bool().unsqueeze(-2)
+    return keep.unsqueeze(1)
