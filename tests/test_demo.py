@@ -60,7 +60,8 @@ def test_rope_map_matches_the_closed_form():
                 logits[r, col] = sum(
                     weights[m] * math.cos((dr if m < P else dc) * 100.0 ** (-(m % P) / P)) for m in range(Dh // 2)
                 ) / math.sqrt(Dh)
-        torch.testing.assert_close(probs[h].double(), logits.flatten().softmax(0).reshape(size, size), atol=1e-6, rtol=1e-5)
+        expected = logits.flatten().softmax(0).reshape(size, size)
+        torch.testing.assert_close(probs[h].double(), expected, atol=1e-6, rtol=1e-5)
         assert probs[h].argmax().item() == centre
 
 

@@ -313,8 +313,14 @@ def test_point_tokenizer_bad_inputs_raise():
 def test_gradients_flow_through_every_tokenizer():
     cases = [
         (ImageTokenizer(dim=8, patch_size=4, num_prefix=1), (torch.randn(2, 3, 8, 12, requires_grad=True),)),
-        (VideoTokenizer(dim=8, patch_size=4, tubelet_size=2, num_prefix=1), (torch.randn(1, 3, 4, 8, 8, requires_grad=True),)),
-        (PointTokenizer(dim=8, num_groups=4, group_size=4, hidden=8, num_prefix=1), (torch.randn(2, 16, 3, requires_grad=True),)),
+        (
+            VideoTokenizer(dim=8, patch_size=4, tubelet_size=2, num_prefix=1),
+            (torch.randn(1, 3, 4, 8, 8, requires_grad=True),),
+        ),
+        (
+            PointTokenizer(dim=8, num_groups=4, group_size=4, hidden=8, num_prefix=1),
+            (torch.randn(2, 16, 3, requires_grad=True),),
+        ),
     ]
     for tok, inputs in cases:
         tokens, _ = tok(*inputs)

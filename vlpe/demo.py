@@ -176,10 +176,11 @@ def plot_encoding(name: str, maps: list[tuple[int, Tensor, tuple[int, ...], int]
     fig = Figure(figsize=(1.6 * heads + 0.8, 1.6 * len(maps) + 0.6))
     ax = fig.add_axes((0.1, 0.02, 0.88, 0.86))
     _imshow(ax, _mosaic([[probs[h] for h in range(heads)] for _, probs, _, _ in maps], side))
-    xs, ys = zip(*(_query_xy(shape, centre, side, i, h) for i, (_, _, shape, centre) in enumerate(maps) for h in range(heads)))
-    ax.scatter(xs, ys, marker="x", color="red", s=14, linewidths=1)
-    ax.set_xticks([h * (side + 2) + side / 2 - 0.5 for h in range(heads)], [f"head {h}" for h in range(heads)], fontsize=7)
-    ax.set_yticks([i * (side + 2) + side / 2 - 0.5 for i in range(len(maps))], [f"{s}x{s}" for s, *_ in maps], fontsize=7)
+    marks = [_query_xy(m[2], m[3], side, i, h) for i, m in enumerate(maps) for h in range(heads)]
+    ax.scatter([x for x, _ in marks], [y for _, y in marks], marker="x", color="red", s=14, linewidths=1)
+    middle = side / 2 - 0.5
+    ax.set_xticks([h * (side + 2) + middle for h in range(heads)], [f"head {h}" for h in range(heads)], fontsize=7)
+    ax.set_yticks([i * (side + 2) + middle for i in range(len(maps))], [f"{s}x{s}" for s, *_ in maps], fontsize=7)
     ax.xaxis.tick_top()
     ax.tick_params(length=0)
     peaks = "; ".join(f"{s}x{s}: " + " ".join(f"{_peak(p[h]):.1f}" for h in range(heads)) for s, p, *_ in maps)
@@ -332,7 +333,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             failures.append(Row("overview", errors=[traceback.format_exc(limit=2)]))
 
     print(format_table(rows))
-    print("properties: ok = claimed and holds, FAIL = claimed but fails, yes = holds though unclaimed, - = does not hold")
+    print(
+        "properties: ok = claimed and holds, FAIL = claimed but fails, yes = holds though unclaimed, "
+        "- = does not hold"
+    )
     for r in rows:
         for msg in r.errors + [f"{p}: {v}" for p, v in r.report.items() if v.startswith("FAIL")]:
             print(f"  {r.name}: {msg}")

@@ -85,12 +85,16 @@ class ImageTokenizer(nn.Module):
         elif isinstance(images, (list, tuple)):
             tokens, pos = self._mixed_sizes(list(images))
         else:
-            raise ValueError(f"{type(self).__name__} expects a tensor or a list of tensors, got {type(images).__name__}")
+            raise ValueError(
+                f"{type(self).__name__} expects a tensor or a list of tensors, got {type(images).__name__}"
+            )
         return self.prefix(tokens, pos)
 
     def _check_channels(self, c: int) -> None:
         if c != self.in_chans:
-            raise ValueError(f"{type(self).__name__} was built for in_chans={self.in_chans}, got images with {c} channels")
+            raise ValueError(
+                f"{type(self).__name__} was built for in_chans={self.in_chans}, got images with {c} channels"
+            )
 
     def _embed(self, x: Tensor, h: int, w: int) -> Tensor:
         """Fit ``x`` (B, C, H, W) to ``h x w`` whole patches and embed: (B, h * w, dim)."""
