@@ -1,0 +1,336 @@
+"""LookHere: per-head directional fields of view (2D attention masks) with a linear distance penalty."""
+
+from __future__ import annotations
+
+from itertools import groupby
+from typing import ClassVar, Literal, Sequence
+
+import torch
+from torch import Tensor
+
+from .base import Context, Encoding
+from .registry import register, register_preset
+
+__all__ = ["LookHere", "DIRECTION_GROUPS", "head_layout"]
+
+# Half-planes a key may be required to lie in, as bits of a per-pair code. (dx, dy) = key - query in
+# (column, row) patch units; "up" is a smaller row index. Every boundary is inclusive.
+_RIGHT, _LEFT, _DOWN, _UP = 1, 2, 4, 8  # dx >= 0, dx <= 0, dy >= 0, dy <= 0
+_SUM_POS, _SUM_NEG, _DIF_POS, _DIF_NEG = 16, 32, 64, 128  # dx+dy >= 0, dx+dy <= 0, dx-dy >= 0, dx-dy <= 0
+
+#: Field-of-view primitives -> required half-plane bits (intersection). Wedges ("tri_*") are 90-degree
+#: cones around an axis; "diag_*" are the *union* of two adjacent wedges, i.e. a half-plane bounded by a
+#: diagonal (the reference intersects the two wedges' masked sets).
+_PRIMITIVES = {
+    "up": _UP,
+    "down": _DOWN,
+    "left": _LEFT,
+    "right": _RIGHT,
+    "tri_up": _SUM_NEG | _DIF_POS,  # |dx| <= -dy
+    "tri_down": _SUM_POS | _DIF_NEG,  # |dx| <= dy
+    "tri_left": _SUM_NEG | _DIF_NEG,  # dx <= -|dy|
+    "tri_right": _SUM_POS | _DIF_POS,  # dx >= |dy|
+    "diag_up_right": _DIF_POS,  # up wedge U right wedge: dx - dy >= 0
+    "diag_up_left": _SUM_NEG,  # dx + dy <= 0
+    "diag_down_right": _SUM_POS,  # dx + dy >= 0
+    "diag_down_left": _DIF_NEG,  # dx - dy <= 0
+}
+
+#: Direction groups of four heads each (names and head order as in the reference ``dir_short_hand``).
+#: "zero" heads get no bias; "center" heads are penalised by the key's distance to the image centre.
+DIRECTION_GROUPS: dict[str, tuple[tuple[str, ...], ...]] = {
+    "none": ((),) * 4,
+    "zero": (("zero",),) * 4,
+    "none1zero3": ((),) + (("zero",),) * 3,
+    "none2zero2": ((),) * 2 + (("zero",),) * 2,
+    "none3zero1": ((),) * 3 + (("zero",),),
+    "center": (("center",),) * 4,
+    "halves": (("up",), ("down",), ("left",), ("right",)),
+    "corners": (("up", "left"), ("up", "right"), ("down", "left"), ("down", "right")),
+    "triangles": (("tri_up",), ("tri_down",), ("tri_left",), ("tri_right",)),
+    "diagonals": (("diag_up_right",), ("diag_up_left",), ("diag_down_right",), ("diag_down_left",)),
+    "eighths1": (("tri_up", "left"), ("tri_down", "left"), ("tri_left", "up"), ("tri_right", "up")),
+    "eighths2": (("tri_up", "right"), ("tri_down", "right"), ("tri_left", "down"), ("tri_right", "down")),
+    "zerohalves": tuple(("zero", d) for d in ("up", "down", "left", "right")),
+    "zerocorners": tuple(("zero",) + c for c in (("up", "left"), ("up", "right"), ("down", "left"), ("down", "right"))),
+    "zerotriangles": tuple(("zero", d) for d in ("tri_up", "tri_down", "tri_left", "tri_right")),
+}
+_UNDIRECTED = ("zero", "center", "none")  # groups whose name contains one of these get the undirected slopes
+_MASKED = -3.3895313892515355e38  # bfloat16's lowest finite value: masked logits stay finite in fp32 and bf16
+_FILLS = ("inf", "zero", "max")
+_DISTANCES = ("linear", "sqrt", "square")
+
+
+def _group_sizes(num_heads: int, groups: int, config: str) -> list[int]:
+    """Heads per group: blocks of four heads (one per direction) dealt round-robin from the first group,
+    a last partial block to the next group in turn (the reference's 12 = 8 + 4, 16 = 8 + 4 + 4, 6 = 4 + 2)."""
+    sizes = [0] * groups
+    left, g = num_heads, 0
+    while left:
+        take = min(4, left)
+        sizes[g % groups] += take
+        left -= take
+        g += 1
+    if min(sizes) == 0:
+        raise ValueError(
+            f"LookHere head_directions {config!r} has {groups} direction groups but num_heads={num_heads}: heads "
+            f"are dealt in blocks of 4, so {groups} groups need at least {4 * (groups - 1) + 1} heads "
+            f"(e.g. 12 heads for 3 groups); use fewer groups or more heads"
+        )
+    return sizes
+
+
+def head_layout(config: str, num_heads: int) -> tuple[list[str], list[tuple[str, ...]]]:
+    """``(group name, direction primitives)`` of each head for a config such as ``"corners-triangles-none"``."""
+    if not isinstance(config, str) or not config:
+        raise ValueError(f"head_directions must be a string like 'corners-triangles-none', got {config!r}")
+    names = config.split("-")
+    unknown = [n for n in names if n not in DIRECTION_GROUPS]
+    if unknown:
+        raise ValueError(
+            f"unknown LookHere direction group(s) {unknown} in {config!r}; groups are {sorted(DIRECTION_GROUPS)} "
+            f"joined by '-'"
+        )
+    head_names: list[str] = []
+    head_dirs: list[tuple[str, ...]] = []
+    for name, size in zip(names, _group_sizes(num_heads, len(names), config)):
+        head_names += [name] * size
+        head_dirs += [DIRECTION_GROUPS[name][i % 4] for i in range(size)]
+    return head_names, head_dirs
+
+
+def _default_head_slopes(head_names: list[str]) -> list[float]:
+    """Per-head slopes by runs of equal group names: directed runs ``2^-(1 + k // 4)`` (1/2 for the first
+    four heads, 1/4 for the next four, ...); undirected runs ``1/4, 1/16, 1/64, 1/256`` (each repeated
+    ``n / 4`` times for runs of n > 4 heads)."""
+    slopes: list[float] = []
+    for name, run in groupby(head_names):
+        n = len(list(run))
+        if any(u in name for u in _UNDIRECTED):
+            slopes += [4.0 ** -(1 + (k if n <= 4 else 4 * k // n)) for k in range(n)]
+        else:
+            slopes += [2.0 ** -(1 + k // 4) for k in range(n)]
+    return slopes
+
+
+@register("lookhere")
+class LookHere(Encoding):
+    """LookHere (Fuller, Kyrollos, Yassin, Green, "LookHere: Vision Transformers with Directed Attention
+    Generalize and Extrapolate", NeurIPS 2024), re-derived from and checked against GreenCUBIC/lookhere
+    ``lookhere.py`` (``create_lh_bias_tensor`` / ``create_lh_layer_tensor``).
+
+    Head h of layer l sees key j from query i only inside its field of view (a direction group of
+    ``head_directions``, e.g. quadrants and 90-degree wedges for ``"corners-triangles-none"``), with bias
+    ``-global_slope * layer_slope_l * head_slope_h * D(i, j)`` there (D the Euclidean patch distance) and a
+    finite ``-3.39e38`` (``fill_with='inf'``) elsewhere; layer slopes run linearly from ``layer_slopes[0]``
+    to ``layer_slopes[1]``. Prefix tokens are unmasked and unpenalised both ways. No parameters.
+
+    Unlike the reference, which stores ``depth x heads x N x N`` bias maps, the bias is computed per layer
+    and per query chunk from the coordinates (``score`` honours ``rows``); the per-forward context holds only
+    ``(B, N)`` coordinate tables. ``flex`` returns an analytic ``score_mod`` and a ``block_mask`` of the
+    fields of view. Distances are fp32. Presets: ``lh180``, ``lh90`` (the reference's released LH-90 config),
+    ``lh45``.
+    """
+
+    claims = frozenset({"relative", "extrapolation", "fp32_angles"})
+    supported_axes = (2,)
+    #: the registry-wide kit builds 4 heads: one 4-head group
+    kit_options: ClassVar[dict] = {"head_directions": "corners"}
+
+    def __init__(
+        self,
+        *,
+        dim: int,
+        num_heads: int,
+        depth: int = 12,
+        num_axes: int = 2,
+        head_directions: str = "corners-triangles-none",
+        global_slope: float = 2.0,
+        layer_slopes: Sequence[float] = (1.5, 0.5),
+        head_slopes: Sequence[float] | None = None,
+        distance: Literal["linear", "sqrt", "square"] = "linear",
+        fill_with: Literal["inf", "zero", "max"] = "inf",
+    ) -> None:
+        super().__init__(dim=dim, num_heads=num_heads, depth=depth, num_axes=num_axes)
+        if fill_with not in _FILLS:
+            raise ValueError(
+                f"fill_with must be one of {_FILLS} (masked logits: -3.39e38, 0, the largest distance penalty), "
+                f"got {fill_with!r}"
+            )
+        if distance not in _DISTANCES:
+            raise ValueError(f"distance must be one of {_DISTANCES}, got {distance!r}")
+        layer_slopes = tuple(float(s) for s in layer_slopes)
+        if len(layer_slopes) != 2:
+            raise ValueError(f"layer_slopes must be (first layer, last layer), got {layer_slopes}")
+        head_names, head_dirs = head_layout(head_directions, num_heads)
+        if head_slopes is None:
+            head_slopes = _default_head_slopes(head_names)
+        head_slopes = [float(s) for s in head_slopes]
+        if len(head_slopes) != num_heads:
+            raise ValueError(f"head_slopes must give one slope per head ({num_heads}), got {len(head_slopes)}")
+        self.head_directions, self.distance, self.fill_with = head_directions, distance, fill_with
+        self.global_slope, self.layer_slopes = float(global_slope), layer_slopes
+        self.head_names, self.head_dirs = head_names, head_dirs
+        required, zero, center = [], [], []
+        for dirs in head_dirs:
+            bits = 0
+            for d in dirs:
+                bits |= _PRIMITIVES.get(d, 0)
+            required.append(bits)
+            zero.append("zero" in dirs)
+            center.append("center" in dirs)
+        self.has_center = any(center)
+        self.register_buffer("required", torch.tensor(required, dtype=torch.uint8), persistent=False)  # (H,)
+        self.register_buffer("head_slopes", torch.tensor(head_slopes, dtype=torch.float32), persistent=False)
+        self.register_buffer("is_zero", torch.tensor(zero), persistent=False)  # (H,) no bias at all
+        self.register_buffer("is_center", torch.tensor(center), persistent=False)  # (H,) distance to the centre
+
+    def _apply(self, fn, recurse=True):
+        super()._apply(fn, recurse)
+        if self.head_slopes.dtype not in (torch.float32, torch.float64):
+            self.head_slopes = self.head_slopes.float()
+        return self
+
+    # ------------------------------------------------------------------ slopes
+    def layer_slope(self, layer: int) -> float:
+        """``linspace(layer_slopes[0], layer_slopes[1], depth)[layer]``."""
+        s0, s1 = self.layer_slopes
+        return s0 if self.depth == 1 else s0 + (s1 - s0) * layer / (self.depth - 1)
+
+    def slopes(self, layer: int) -> Tensor:
+        """Effective per-patch penalty of every head at ``layer``, ``(H,)`` fp32 (0 for "zero" heads)."""
+        s = self.head_slopes * (self.global_slope * self.layer_slope(layer))
+        return s.masked_fill(self.is_zero, 0.0)
+
+    def _dist(self, d2: Tensor) -> Tensor:
+        if self.distance == "linear":
+            return d2.sqrt()
+        if self.distance == "sqrt":
+            return d2.sqrt().sqrt()
+        return d2
+
+    # ------------------------------------------------------------------ per forward
+    def _prepare(self, ctx: Context) -> None:
+        pos = ctx.pos
+        with torch.autocast(pos.device.type, enabled=False):
+            coords = pos.coords if pos.coords.dtype == torch.float64 else pos.coords.float()  # (B, N, 2)
+            ctx["y"], ctx["x"] = coords[..., 0].contiguous(), coords[..., 1].contiguous()  # (B, N) rows, columns
+            if self.has_center or self.fill_with == "max":
+                patch = coords[:, pos.prefix :]  # (B, n, 2)
+                valid = None if pos.valid is None else pos.valid[:, pos.prefix :, None]
+                lo = patch if valid is None else patch.masked_fill(~valid, float("inf"))
+                hi = patch if valid is None else patch.masked_fill(~valid, float("-inf"))
+                lo, hi = lo.amin(1), hi.amax(1)  # (B, 2) bounding box of the patches
+                if self.has_center:
+                    centre = (lo + hi) / 2  # (B, 2)
+                    d2 = (coords - centre[:, None]).square().sum(-1)  # (B, N)
+                    ctx["centre_dist"] = self._dist(d2)
+                if self.fill_with == "max":
+                    ctx["max_dist"] = self._dist((hi - lo).square().sum(-1))  # (B,) the grid diagonal
+
+    # ------------------------------------------------------------------ dense path
+    def score(self, q: Tensor, k: Tensor, ctx: Context, layer: int, rows: slice | None = None) -> Tensor:
+        rows = slice(None) if rows is None else rows
+        with torch.autocast(q.device.type, enabled=False):
+            y, x = ctx["y"], ctx["x"]  # (B, N)
+            dy = y[:, None, :] - y[:, rows, None]  # (B, n, N) key - query
+            dx = x[:, None, :] - x[:, rows, None]
+            code = self._code(dx, dy)  # (B, n, N) uint8
+            slopes = self.slopes(layer).to(dx.dtype)[None, :, None, None]  # (1, H, 1, 1)
+            bias = self._dist(dx.square() + dy.square())[:, None] * -slopes  # (B, H, n, N)
+            if self.has_center:
+                cd = ctx["centre_dist"][:, None, None, :]  # (B, 1, 1, N)
+                bias = torch.where(self.is_center[None, :, None, None], cd * -slopes, bias)
+            req = self.required[None, :, None, None]  # (1, H, 1, 1)
+            hidden = (code[:, None] & req) != req  # (B, H, n, N)
+            if self.fill_with == "inf":
+                bias = bias.masked_fill_(hidden, _MASKED)
+            elif self.fill_with == "zero":
+                bias = bias.masked_fill_(hidden, 0.0)
+            else:
+                fill = ctx["max_dist"][:, None, None, None] * -slopes  # (B, H, 1, 1)
+                bias = torch.where(hidden, fill, bias)
+            self._clear_prefix(bias, ctx.pos.prefix, rows, q.shape[-2])
+        return bias
+
+    @staticmethod
+    def _code(dx: Tensor, dy: Tensor) -> Tensor:
+        """Which of the eight closed half-planes each offset lies in, as bits of a uint8 code."""
+        s, d = dx + dy, dx - dy
+        code = (dx >= 0).to(torch.uint8)
+        for t, bit in ((dx <= 0, _LEFT), (dy >= 0, _DOWN), (dy <= 0, _UP), (s >= 0, _SUM_POS), (s <= 0, _SUM_NEG),
+                       (d >= 0, _DIF_POS), (d <= 0, _DIF_NEG)):  # fmt: skip
+            code |= t.to(torch.uint8) * bit
+        return code
+
+    @staticmethod
+    def _clear_prefix(bias: Tensor, prefix: int, rows: slice, n: int) -> None:
+        """Zero the bias of prefix keys and of prefix query rows (``rows`` is a step-1 slice of queries)."""
+        if not prefix:
+            return
+        bias[..., :prefix] = 0.0
+        start = rows.start or 0
+        if start < prefix:
+            bias[..., : min(prefix - start, n), :] = 0.0
+
+    # ------------------------------------------------------------------ flex path
+    def flex(self, q: Tensor, k: Tensor, ctx: Context, layer: int):
+        """Analytic ``score_mod`` (distance penalty from the captured ``(B, N)`` coordinates) and, for
+        ``fill_with='inf'``, a ``block_mask`` of the fields of view; nothing N x N is kept."""
+        from torch.nn.attention.flex_attention import create_block_mask
+
+        y, x = ctx["y"], ctx["x"]  # (B, N)
+        per_sample = y.shape[0] > 1
+        slopes = -self.slopes(layer).to(y.dtype)  # (H,)
+        bits = torch.tensor([1, 2, 4, 8, 16, 32, 64, 128], dtype=torch.uint8, device=y.device)
+        req = (self.required[:, None] & bits) != 0  # (H, 8) which half-planes each head needs
+        is_center = self.is_center
+        centre = ctx["centre_dist"] if self.has_center else None
+        fill = ctx["max_dist"] if self.fill_with == "max" else None
+        prefix, dist, mode = ctx.pos.prefix, self._dist, self.fill_with
+
+        def offsets(b, q_idx, kv_idx):
+            bb = b if per_sample else 0
+            return x[bb, kv_idx] - x[bb, q_idx], y[bb, kv_idx] - y[bb, q_idx]
+
+        def visible(b, h, q_idx, kv_idx):
+            dx, dy = offsets(b, q_idx, kv_idx)
+            s, d = dx + dy, dx - dy
+            tests = (dx >= 0, dx <= 0, dy >= 0, dy <= 0, s >= 0, s <= 0, d >= 0, d <= 0)
+            ok = (q_idx < prefix) | (kv_idx < prefix)
+            seen = tests[0] | ~req[h, 0]
+            for c in range(1, 8):
+                seen = seen & (tests[c] | ~req[h, c])
+            return ok | seen
+
+        def score_mod(score, b, h, q_idx, kv_idx):
+            dx, dy = offsets(b, q_idx, kv_idx)
+            bias = slopes[h] * dist(dx * dx + dy * dy)
+            if centre is not None:
+                bias = torch.where(is_center[h], slopes[h] * centre[b if per_sample else 0, kv_idx], bias)
+            if mode != "inf":
+                masked_value = slopes[h] * fill[b if per_sample else 0] if mode == "max" else torch.zeros_like(bias)
+                bias = torch.where(visible(b, h, q_idx, kv_idx), bias, masked_value)
+            if prefix:
+                bias = torch.where((q_idx < prefix) | (kv_idx < prefix), torch.zeros_like(bias), bias)
+            return score + bias.to(score.dtype)
+
+        if mode != "inf":
+            return score_mod, None
+        B = q.shape[0] if per_sample else None
+        block_mask = create_block_mask(visible, B, q.shape[1], q.shape[-2], k.shape[-2], device=q.device)
+        return score_mod, block_mask
+
+    def extra_repr(self) -> str:
+        return (
+            f"{super().extra_repr()}, head_directions={self.head_directions!r}, global_slope={self.global_slope}, "
+            f"layer_slopes={self.layer_slopes}, distance={self.distance!r}, fill_with={self.fill_with!r}"
+        )
+
+
+# LH-90 is the reference's released config (global slope 2, layer slopes 1.5 -> 0.5, quadrants + 90-degree
+# wedges + unmasked heads). LH-180 and LH-45 use the same slopes with the 180-degree (half-planes along the
+# axes and along the diagonals) and 45-degree (the eight octants) groups.
+register_preset("lh90", "lookhere", head_directions="corners-triangles-none", global_slope=2.0, layer_slopes=(1.5, 0.5))
+register_preset("lh180", "lookhere", head_directions="halves-diagonals-none", global_slope=2.0, layer_slopes=(1.5, 0.5))
+register_preset("lh45", "lookhere", head_directions="eighths1-eighths2-none", global_slope=2.0, layer_slopes=(1.5, 0.5))
