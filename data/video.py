@@ -465,7 +465,7 @@ def _serve() -> None:  # pragma: no cover - runs in the decoder process
             return
         try:
             reply = ("ok", _read_local(**request))
-        except VideoDecodeError as err:
+        except (VideoDecodeError, ValueError, ImportError) as err:  # travel back as themselves
             reply = ("err", err)
         except Exception as err:  # anything else still travels back with its message
             reply = ("err", VideoDecodeError(request["path"], f"{type(err).__name__}: {err}"))
