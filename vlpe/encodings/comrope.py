@@ -1,0 +1,220 @@
+"""ComRoPE: rotary encoding with trainable commuting angle matrices, ``R(p) = exp(sum_a p_a A_a)``.
+
+Yu et al., "ComRoPE: Scalable and Robust Rotary Position Embedding Parameterized by Trainable Commuting
+Angle Matrices" (CVPR 2025, arXiv 2506.03737); reference implementation Longin-Yu/ComRoPE ``model.py``
+(``ComRoPEAPAttention``, ``ComRoPELDAttention``, ``RoPESelfAttentionBase.get_rotation_matrix``).
+
+Every generator ``A_a`` is block diagonal with ``D/b`` skew-symmetric ``b x b`` blocks, and block j of every
+axis is a multiple of the same skew matrix ``S_j = G_j - G_j^T``:
+
+* ``variant="ap"`` (axial partition): block j belongs to axis ``j mod A`` only, ``A_a[j] = [j = a mod A] S_j``;
+* ``variant="ld"`` (linearly dependent): ``A_a[j] = theta_{a,j} S_j`` with learned multipliers ``theta``.
+
+So the generators commute and ``R(p_i)^T R(p_j) = R(p_j - p_i)`` exactly. Block j of ``R(p)`` is
+``exp(t_j(p) S_j)`` with the scalar ``t_j(p) = sum_a p_a Theta[a, j]`` (``Theta`` = the axis mask or theta).
+For ``b = 2`` this is a plane rotation by ``t_j * omega_j`` and vlpe uses the shared RoPE primitives; for
+``b > 2`` the blocks are exponentiated with ``torch.matrix_exp`` in fp32 (autocast off), for all layers at
+once, once per forward, and applied as ``b x b`` block products (never a dense ``D x D`` matrix per token).
+
+Channel layout: block j holds channels ``j, j + D/b, ..., j + (b-1) D/b`` (for ``b = 2`` the half layout of
+vlpe's RoPE); the reference uses consecutive channels, a fixed permutation of q/k channels that changes
+nothing after the learned projections.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+from torch import Tensor, nn
+
+from .base import Context, Encoding, fp32
+from .functional.rope import apply_rope, cos_sin, rope_angles
+from .registry import register
+
+__all__ = ["ComRoPE", "normalized_grid_coords"]
+
+
+def normalized_grid_coords(pos, *, prefix_value: float = 0.5, dtype: torch.dtype = torch.float32) -> Tensor:
+    """Grid coordinates mapped to ``(c + 0.5) / n_a`` per axis (the reference's ``axis_scale``), fp32.
+
+    ``n_a`` is the grid extent along axis a, so a patch grid fills (0, 1) at any resolution (interpolation,
+    not extrapolation). Prefix tokens sit at ``prefix_value`` on every axis (the reference's CLS at 0.5).
+    Computed in ``dtype`` (fp32, or fp64), autocast off.
+    """
+    if pos.grid is None:
+        raise ValueError(
+            "comrope with coords='normalized' needs tokens on a regular grid (Positions.grid / .video / .grid_nd) "
+            "to know the extent of each axis; for point clouds build it with coords='raw'"
+        )
+    with torch.autocast(pos.device.type, enabled=False):
+        c = pos.coords.to(torch.promote_types(pos.coords.dtype, dtype))  # (B, N, A)
+        extent = torch.tensor(pos.grid, dtype=c.dtype, device=c.device)  # (A,)
+        out = (c + 0.5) / extent
+        if pos.prefix:
+            out = out.clone()
+            out[:, : pos.prefix] = prefix_value
+        return out
+
+
+@register("comrope")
+class ComRoPE(Encoding):
+    """ComRoPE-AP / ComRoPE-LD (Yu et al., CVPR 2025): RoPE whose rotation ``exp(sum_a p_a A_a)`` uses learned,
+    commuting, block-diagonal skew-symmetric generators; checked against dense ``torch.matrix_exp`` of the
+    full generators built from the reference's parameterisation (Longin-Yu/ComRoPE ``model.py``).
+
+    Parameters per layer: ``generators`` (H, D/b, b, b) ~ N(0, init_std^2) (the reference's ``freqs``) and,
+    for LD, ``multipliers`` (A, D/b) ~ N(0, 1), shared by the heads as in the reference. Both stay fp32
+    under ``.bfloat16()``. ``coords="normalized"`` (default, the reference) maps a grid to ``(i + 0.5) / n``
+    per axis and rotates prefix tokens at the centre 0.5; ``coords="raw"`` uses the coordinates as given
+    (prefix tokens at 0, unrotated; then the small-grid logits are a block of the large-grid ones).
+    ``neutralize()`` zeroes the generators (``R = I``).
+    """
+
+    claims = frozenset({"relative", "neutral", "fp32_angles"})
+    needs_grid = True  # coords="normalized" reads the grid extent; coords="raw" does not
+
+    def __init__(
+        self,
+        *,
+        dim: int,
+        num_heads: int,
+        depth: int = 12,
+        num_axes: int = 2,
+        variant: Literal["ap", "ld"] = "ap",
+        block: int = 2,
+        init_std: float = 1.0,
+        coords: Literal["normalized", "raw"] = "normalized",
+    ) -> None:
+        super().__init__(dim=dim, num_heads=num_heads, depth=depth, num_axes=num_axes)
+        if variant not in ("ap", "ld"):
+            raise ValueError(f"variant must be 'ap' (axial partition) or 'ld' (linearly dependent), got {variant!r}")
+        if not isinstance(block, int) or block < 2 or self.head_dim % block:
+            raise ValueError(
+                f"block must be an integer >= 2 that divides the head dim {self.head_dim} "
+                f"(dim / num_heads), got {block!r}"
+            )
+        num_blocks = self.head_dim // block
+        if variant == "ap" and num_blocks < num_axes:
+            raise ValueError(
+                f"comrope variant='ap' gives each of the {num_axes} axes its own blocks, but head dim "
+                f"{self.head_dim} / block {block} = {num_blocks} blocks; use a smaller block or variant='ld'"
+            )
+        if coords not in ("normalized", "raw"):
+            raise ValueError(f"coords must be 'normalized' (the reference's (i + 0.5) / n) or 'raw', got {coords!r}")
+        if init_std < 0:
+            raise ValueError(f"init_std must be >= 0, got {init_std}")
+        self.variant = variant
+        self.block = block
+        self.num_blocks = num_blocks
+        self.init_std = float(init_std)
+        self.coords = coords
+        if coords == "raw":
+            self.claims = self.claims | {"extrapolation"}
+            self.needs_grid = False
+        self.generators = nn.Parameter(torch.empty(depth, num_heads, num_blocks, block, block))
+        if variant == "ld":
+            self.multipliers = nn.Parameter(torch.empty(depth, num_axes, num_blocks))
+        else:
+            mask = torch.zeros(num_axes, num_blocks)  # (A, D/b): block j belongs to axis j mod A
+            for a in range(num_axes):
+                mask[a, a::num_axes] = 1.0
+            self.register_buffer("axis_mask", mask, persistent=False)
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        with torch.no_grad():
+            self.generators.normal_(0.0, self.init_std)
+            if self.variant == "ld":
+                self.multipliers.normal_(0.0, 1.0)
+
+    def _apply(self, fn, recurse=True):
+        super()._apply(fn, recurse)
+        for p in self.parameters(recurse=False):
+            if p.dtype not in (torch.float32, torch.float64):
+                p.data = p.data.float()  # generators never drop below fp32 (same Parameter object)
+                if p.grad is not None:
+                    p.grad = p.grad.float()
+        if self.variant == "ap" and self.axis_mask.dtype not in (torch.float32, torch.float64):
+            self.axis_mask = self.axis_mask.float()
+        return self
+
+    # ------------------------------------------------------------------ math
+    def skew(self) -> Tensor:
+        """``S = G - G^T``: (depth, H, D/b, b, b)."""
+        return self.generators - self.generators.transpose(-1, -2)
+
+    def axis_weights(self) -> Tensor:
+        """``Theta`` (depth, A, D/b): block j's generator for axis a is ``Theta[a, j] S_j``."""
+        if self.variant == "ld":
+            return self.multipliers
+        return self.axis_mask.unsqueeze(0).expand(self.depth, -1, -1)
+
+    def positions_of(self, pos) -> Tensor:
+        """The coordinates the rotation reads, (B, N, A) fp32 (fp64 in a ``.double()`` module)."""
+        dtype = self.generators.dtype if self.generators.dtype == torch.float64 else torch.float32
+        if self.coords == "normalized":
+            return normalized_grid_coords(pos, dtype=dtype)
+        return pos.coords.to(torch.promote_types(pos.coords.dtype, dtype))
+
+    def block_rotations(self, coords: Tensor) -> Tensor:
+        """``exp(t_j(p) S_j)`` for every layer, head, token and block: (B, depth, H, N, D/b, b, b) fp32."""
+        with torch.autocast(coords.device.type, enabled=False):
+            S = fp32(self.skew())  # (L, H, J, b, b)
+            theta = fp32(self.axis_weights())  # (L, A, J)
+            t = torch.einsum("bna,laj->blnj", fp32(coords).to(S.dtype), theta.to(S.dtype))  # (B, L, N, J)
+            log = t[:, :, None, :, :, None, None] * S[None, :, :, None]  # (B, L, H, N, J, b, b)
+            return torch.matrix_exp(log)
+
+    def _prepare(self, ctx: Context) -> None:
+        c = self.positions_of(ctx.pos)  # (B, N, A)
+        if self.block == 2:
+            S = self.skew()
+            omega = S[..., 1, 0]  # (L, H, J): exp(t S) rotates pair j by t * omega
+            freqs = self.axis_weights().unsqueeze(1) * omega.unsqueeze(2)  # (L, H, A, J)
+            angles = rope_angles(c, freqs)  # (B, L, H, N, J)
+            ctx["cos"], ctx["sin"] = cos_sin(angles)
+        else:
+            R = self.block_rotations(c)  # (B, L, H, N, J, b_out, b_in)
+            ctx["rot"] = R.permute(0, 1, 2, 3, 5, 6, 4).contiguous()  # (B, L, H, N, b_out, b_in, J)
+
+    def _rotate_blocks(self, x: Tensor, R: Tensor) -> Tensor:
+        """``x`` (B, H, N, D) times block rotations ``R`` (B, H, N, b, b, J) in the tables' precision."""
+        dtype = x.dtype
+        xb = x.to(R.dtype).unflatten(-1, (self.block, self.num_blocks))  # (B, H, N, b_in, J)
+        out = (R * xb.unsqueeze(-3)).sum(-2)  # (B, H, N, b_out, J)
+        return out.flatten(-2).to(dtype)
+
+    def rotate(self, q: Tensor, k: Tensor, ctx: Context, layer: int) -> tuple[Tensor, Tensor]:
+        if not 0 <= layer < self.depth:
+            raise ValueError(f"comrope was built with depth={self.depth}, got layer={layer}")
+        if self.block == 2:
+            cos, sin = ctx["cos"][:, layer], ctx["sin"][:, layer]  # (B, H, N, D/2)
+            return apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        R = ctx["rot"][:, layer]  # (B, H, N, b, b, J)
+        with torch.autocast(q.device.type, enabled=False):
+            return self._rotate_blocks(q, R), self._rotate_blocks(k, R)
+
+    def rotation_matrix(self, coords: Tensor, layer: int) -> Tensor:
+        """Dense ``R(p)`` (B, H, N, D, D) in vlpe's channel layout, for tests and plots."""
+        B, N, _ = coords.shape
+        J, b = self.num_blocks, self.block
+        R = self.block_rotations(coords)[:, layer]  # (B, H, N, J, b, b)
+        dense = R.new_zeros(B, self.num_heads, N, b * J, b * J)
+        for j in range(J):  # block j acts on channels j, j + J, ..., j + (b - 1) J
+            ch = torch.arange(b, device=R.device) * J + j
+            dense[..., ch[:, None], ch[None, :]] = R[..., j, :, :]
+        return dense
+
+    def neutralize(self) -> "ComRoPE":
+        self.generators.zero_()
+        return self
+
+    def no_weight_decay(self) -> set[str]:
+        return {"generators", "multipliers"} if self.variant == "ld" else {"generators"}
+
+    def extra_repr(self) -> str:
+        return (
+            f"{super().extra_repr()}, variant={self.variant!r}, block={self.block}, init_std={self.init_std}, "
+            f"coords={self.coords!r}"
+        )
