@@ -1,0 +1,134 @@
+"""Transformer blocks that consult a vlpe encoding, and the encoder stack every backbone shares.
+
+:class:`Encoder` owns the encoding and the blocks and runs the fixed schedule of
+:mod:`vlpe.encodings.base`: ``prepare`` once per forward (tables shared by all layers), ``embed``
+before block 0, ``rotate``/``widen``/``score``/``values`` inside each attention, ``mix`` after each block.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+import vlpe
+from vlpe.attention import Attention, Backend
+
+__all__ = ["Mlp", "DropPath", "LayerScale", "Block", "Encoder"]
+
+
+class Mlp(nn.Module):
+    def __init__(self, *, dim: int, hidden: int, drop: float = 0.0) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(dim, hidden)
+        self.act = nn.GELU()
+        self.fc2 = nn.Linear(hidden, dim)
+        self.drop = nn.Dropout(drop)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.drop(self.fc2(self.drop(self.act(self.fc1(x)))))
+
+
+class DropPath(nn.Module):
+    def __init__(self, p: float = 0.0) -> None:
+        super().__init__()
+        self.p = p
+
+    def forward(self, x: Tensor) -> Tensor:
+        if not self.training or self.p == 0.0:
+            return x
+        keep = x.new_empty(x.shape[0], *([1] * (x.dim() - 1))).bernoulli_(1 - self.p)
+        return x * keep / (1 - self.p)
+
+
+class LayerScale(nn.Module):
+    def __init__(self, *, dim: int, init: float) -> None:
+        super().__init__()
+        self.gamma = nn.Parameter(torch.full((dim,), float(init)))
+
+    def forward(self, x: Tensor) -> Tensor:
+        return x * self.gamma
+
+
+class Block(nn.Module):
+    """Pre-norm transformer block whose attention consults the encoding."""
+
+    def __init__(
+        self,
+        *,
+        dim: int,
+        num_heads: int,
+        mlp_ratio: float = 4.0,
+        qkv_bias: bool = True,
+        drop_path: float = 0.0,
+        layer_scale: float | None = None,
+        backend: Backend = "sdpa",
+    ) -> None:
+        super().__init__()
+        self.norm1 = nn.LayerNorm(dim, eps=1e-6)
+        self.attn = Attention(dim=dim, num_heads=num_heads, qkv_bias=qkv_bias, backend=backend)
+        self.ls1 = LayerScale(dim=dim, init=layer_scale) if layer_scale else nn.Identity()
+        self.norm2 = nn.LayerNorm(dim, eps=1e-6)
+        self.mlp = Mlp(dim=dim, hidden=int(dim * mlp_ratio))
+        self.ls2 = LayerScale(dim=dim, init=layer_scale) if layer_scale else nn.Identity()
+        self.drop_path = DropPath(drop_path)
+
+    def forward(self, x: Tensor, *, enc: vlpe.encodings.Encoding, ctx: vlpe.encodings.Context, layer: int) -> Tensor:
+        x = x + self.drop_path(self.ls1(self.attn(self.norm1(x), enc=enc, ctx=ctx, layer=layer)))
+        return x + self.drop_path(self.ls2(self.mlp(self.norm2(x))))
+
+
+class Encoder(nn.Module):
+    """``depth`` blocks + final norm + the position encoding they share.
+
+    Args:
+        encoding / encoding_options: a registered vlpe encoding and its options (``depth`` is filled in).
+    """
+
+    def __init__(
+        self,
+        *,
+        dim: int,
+        depth: int,
+        num_heads: int,
+        encoding: str,
+        encoding_options: dict[str, Any] | None = None,
+        mlp_ratio: float = 4.0,
+        qkv_bias: bool = True,
+        drop_path_rate: float = 0.0,
+        layer_scale: float | None = None,
+        backend: Backend = "sdpa",
+    ) -> None:
+        super().__init__()
+        options = dict(encoding_options or {})
+        options.setdefault("depth", depth)
+        self.encoding_name = encoding
+        self.encoding = vlpe.encodings.build(encoding, dim=dim, num_heads=num_heads, **options)
+        dpr = torch.linspace(0, drop_path_rate, depth).tolist()
+        self.blocks = nn.ModuleList(
+            Block(
+                dim=dim,
+                num_heads=num_heads,
+                mlp_ratio=mlp_ratio,
+                qkv_bias=qkv_bias,
+                drop_path=dpr[i],
+                layer_scale=layer_scale,
+                backend=backend,
+            )
+            for i in range(depth)
+        )
+        self.norm = nn.LayerNorm(dim, eps=1e-6)
+
+    def forward(self, x: Tensor, pos: vlpe.Positions) -> Tensor:
+        """Tokens ``(B, N, C)`` at ``pos`` -> normalised tokens ``(B, N, C)``."""
+        enc = self.encoding
+        ctx = enc.prepare(pos)  # tables for every layer, built once
+        x = enc.embed(x, ctx)
+        for layer, block in enumerate(self.blocks):
+            x = block(x, enc=enc, ctx=ctx, layer=layer)
+            x = enc.mix(x, ctx, layer)
+        return self.norm(x)
+
+    def no_weight_decay(self) -> set[str]:
+        return {f"encoding.{n}" for n in self.encoding.no_weight_decay()}

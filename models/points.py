@@ -1,0 +1,78 @@
+"""Point transformer: FPS + kNN group tokens (Point-BERT style) into a vlpe encoder with 3D encodings.
+
+The group centres are the tokens' positions (``vlpe.Positions.points``, continuous xyz), so any encoding
+that reads continuous coordinates works: ``rope`` (num_axes=3), ``alibi``, ``sincos``, ``fourier``,
+``pape``, ``pape_ri``, ``nope``, ... Encodings that need a regular grid (``peg``, ``irpe``, ``lookhere``,
+``ape``) are rejected with the error the encoding raises.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from torch import Tensor, nn
+
+from vlpe.attention import Backend
+from vlpe.tokenizers import PointTokenizer
+
+from .blocks import Encoder
+
+__all__ = ["PointTransformer"]
+
+
+class PointTransformer(nn.Module):
+    """Classifier over point clouds ``(B, P, 3)`` (optional ``valid`` (B, P) for padded clouds)."""
+
+    def __init__(
+        self,
+        *,
+        num_classes: int,
+        embed_dim: int = 96,
+        depth: int = 4,
+        num_heads: int = 4,
+        num_groups: int = 64,
+        group_size: int = 16,
+        encoding: str = "rope",
+        encoding_options: dict[str, Any] | None = None,
+        readout: Literal["cls", "gap"] = "gap",
+        mlp_ratio: float = 4.0,
+        drop_path_rate: float = 0.0,
+        backend: Backend = "sdpa",
+    ) -> None:
+        super().__init__()
+        if readout not in ("cls", "gap"):
+            raise ValueError(f"readout must be 'cls' or 'gap', got {readout!r}")
+        self.readout = readout
+        self.tokenizer = PointTokenizer(
+            dim=embed_dim, num_groups=num_groups, group_size=group_size, num_prefix=int(readout == "cls")
+        )
+        options = dict(encoding_options or {})
+        options.setdefault("num_axes", 3)
+        self.encoder = Encoder(
+            dim=embed_dim,
+            depth=depth,
+            num_heads=num_heads,
+            encoding=encoding,
+            encoding_options=options,
+            mlp_ratio=mlp_ratio,
+            drop_path_rate=drop_path_rate,
+            backend=backend,
+        )
+        self.head = nn.Linear(embed_dim, num_classes)
+
+    def no_weight_decay(self) -> set[str]:
+        names = {f"tokenizer.{n}" for n in self.tokenizer.no_weight_decay()}
+        return names | {f"encoder.{n}" for n in self.encoder.no_weight_decay()}
+
+    def forward(self, points: Tensor | tuple[Tensor, Tensor]) -> Tensor:
+        """``points``: xyz (B, P, 3), or ``(xyz, valid)`` for padded clouds. Returns logits (B, classes)."""
+        xyz, valid = points if isinstance(points, (tuple, list)) else (points, None)
+        x, pos = self.tokenizer(xyz, valid=valid)  # (B, G', C)
+        x = self.encoder(x, pos)
+        if self.readout == "cls":
+            return self.head(x[:, 0])
+        patches = x[:, pos.prefix :]
+        if pos.valid is None:
+            return self.head(patches.mean(1))
+        w = pos.valid[:, pos.prefix :].to(patches.dtype).unsqueeze(-1)  # (B, G, 1)
+        return self.head((patches * w).sum(1) / w.sum(1).clamp_min(1.0))

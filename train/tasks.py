@@ -1,0 +1,61 @@
+"""Task heads shared by the classification scripts: a loss wrapper and distributed accuracy."""
+
+from __future__ import annotations
+
+from typing import Callable, Iterable
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+__all__ = ["Classifier", "evaluate_classification", "shard"]
+
+
+class Classifier(nn.Module):
+    """``forward(batch) -> {"loss", "logits"}`` around a backbone mapping inputs to class logits.
+
+    ``batch`` is ``(inputs, labels)``; ``inputs`` is whatever the backbone takes (images, a list of
+    images of different sizes, point clouds).
+    """
+
+    def __init__(self, backbone: nn.Module, *, label_smoothing: float = 0.0) -> None:
+        super().__init__()
+        self.backbone = backbone
+        self.label_smoothing = label_smoothing
+
+    def forward(self, batch) -> dict[str, Tensor]:
+        inputs, labels = batch
+        logits = self.backbone(inputs)
+        loss = F.cross_entropy(logits.float(), labels, label_smoothing=self.label_smoothing)
+        return {"loss": loss, "logits": logits}
+
+    def no_weight_decay(self) -> set[str]:
+        fn = getattr(self.backbone, "no_weight_decay", None)
+        return {f"backbone.{n}" for n in fn()} if callable(fn) else set()
+
+
+def shard(n: int, rank: int, world: int) -> range:
+    """This rank's strided share of ``range(n)``."""
+    return range(rank, n, world)
+
+
+@torch.no_grad()
+def evaluate_classification(
+    model: nn.Module, batches: Iterable, device: torch.device, *, to_device: Callable
+) -> dict[str, float]:
+    """Top-1 accuracy and mean loss over ``batches`` (this rank's share), summed over all ranks."""
+    correct = torch.zeros((), dtype=torch.float64)
+    total = torch.zeros((), dtype=torch.float64)
+    loss_sum = torch.zeros((), dtype=torch.float64)
+    for batch in batches:
+        inputs, labels = to_device(batch, device)
+        logits = model.backbone(inputs) if isinstance(model, Classifier) else model(inputs)
+        loss_sum += F.cross_entropy(logits.float(), labels, reduction="sum").double().cpu()
+        correct += (logits.argmax(-1) == labels).sum().double().cpu()
+        total += labels.numel()
+    stats = torch.stack([correct, total, loss_sum])
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(stats)
+    c, t, l = stats.tolist()
+    return {"acc": c / max(t, 1.0), "loss": l / max(t, 1.0), "count": t}

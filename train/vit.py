@@ -1,0 +1,156 @@
+"""Train a ViT with any vlpe encoding on an image classification set.
+
+    deepspeed --num_gpus 2 train/vit.py --config configs/vit_lookhere.yaml
+    python train/vit.py --config configs/vit_rope.yaml train.steps=50 model.encoding=alibi
+
+The default configs are CPU-sized (Fashion-MNIST at 28 px, a 4-block ViT, a few minutes on 2 cores);
+``configs/full/`` holds the GPU-cluster-sized variants. The trained weights are exported to
+``<out_dir>/model.safetensors`` with ``<out_dir>/config.yaml`` beside them (for ``eval/resolution.py``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import torch
+from torch.utils.data import DataLoader, Dataset, Subset
+
+from train.cli import main_guard, parse
+from train.config import ConfigError
+from train.engine import TrainSection, fit, move_to
+from train.tasks import Classifier, evaluate_classification, shard
+
+
+@dataclass(kw_only=True)
+class ModelSection:
+    preset: str = "micro"
+    patch_size: int = 4
+    embed_dim: int | None = None
+    depth: int | None = None
+    num_heads: int | None = None
+    mlp_ratio: float = 4.0
+    encoding: str = "rope"
+    encoding_options: dict = field(default_factory=dict)
+    readout: Literal["cls", "gap"] = "cls"
+    num_registers: int = 0
+    drop_path_rate: float = 0.0
+    layer_scale: float | None = None
+    backend: Literal["sdpa", "eager", "flex"] = "sdpa"
+    label_smoothing: float = 0.0
+
+
+@dataclass(kw_only=True)
+class DataSection:
+    dataset: Literal["fashion_mnist", "mnist5k", "digits", "shapes", "folder"] = "fashion_mnist"
+    root: str | None = None  # for "folder"
+    img_size: int = 28  # training resolution
+    channels: int = 1
+    train_limit: int | None = None  # use the first N training images (None: all)
+    val_limit: int | None = 2000
+    augment: bool = False
+    shapes_train: int = 20000  # procedural shapes: samples per split
+    shapes_val: int = 2000
+
+
+@dataclass(kw_only=True)
+class ViTConfig:
+    model: ModelSection = field(default_factory=ModelSection)
+    data: DataSection = field(default_factory=DataSection)
+    train: TrainSection = field(default_factory=TrainSection)
+    deepspeed: dict = field(default_factory=dict)
+
+
+def build_model(cfg: ViTConfig, num_classes: int):
+    from models.vit import vit
+
+    m = cfg.model
+    overrides: dict[str, Any] = {
+        k: v for k, v in dict(embed_dim=m.embed_dim, depth=m.depth, num_heads=m.num_heads).items() if v is not None
+    }
+    return vit(
+        m.preset,
+        img_size=cfg.data.img_size,
+        patch_size=m.patch_size,
+        in_chans=cfg.data.channels,
+        num_classes=num_classes,
+        mlp_ratio=m.mlp_ratio,
+        encoding=m.encoding,
+        encoding_options=m.encoding_options,
+        readout=m.readout,
+        num_registers=m.num_registers,
+        drop_path_rate=m.drop_path_rate,
+        layer_scale=m.layer_scale,
+        backend=m.backend,
+        **overrides,
+    )
+
+
+def build_datasets(data: DataSection, *, size: int | None = None) -> tuple[Dataset, Dataset, int]:
+    """(train, val, num_classes) at resolution ``size`` (default: the training resolution)."""
+    from data import images as imgs
+    from data import transforms
+
+    size = data.img_size if size is None else size
+    common = dict(size=size, channels=data.channels)
+    train_tf = transforms.train_transform(size) if data.augment else None
+    if data.dataset == "fashion_mnist":
+        train = imgs.FashionMNIST("train", transform=train_tf, **common)
+        val = imgs.FashionMNIST("test", **common)
+    elif data.dataset == "mnist5k":
+        train, val = imgs.MNIST5k("train", transform=train_tf, **common), imgs.MNIST5k("test", **common)
+    elif data.dataset == "digits":
+        train, val = imgs.Digits("train", transform=train_tf, **common), imgs.Digits("test", **common)
+    elif data.dataset == "shapes":
+        from data.shapes import Shapes
+
+        train = Shapes(num_samples=data.shapes_train, size=size, seed=0, channels=data.channels)
+        val = Shapes(num_samples=data.shapes_val, size=size, seed=1, channels=data.channels)
+    else:
+        if data.root is None:
+            raise ConfigError("data.dataset=folder needs data.root (a folder with train/ and val/ class folders)")
+        train = imgs.ImageFolder(f"{data.root}/train", transform=train_tf, **common)
+        val = imgs.ImageFolder(f"{data.root}/val", **common)
+    num_classes = len(getattr(train, "classes", ())) or int(getattr(train, "num_classes"))
+    if data.train_limit is not None:
+        train = Subset(train, range(min(data.train_limit, len(train))))
+    if data.val_limit is not None:
+        val = Subset(val, range(min(data.val_limit, len(val))))
+    return train, val, num_classes
+
+
+def collate(items):
+    images = [x for x, _ in items]
+    labels = torch.tensor([y for _, y in items], dtype=torch.long)
+    same = all(im.shape == images[0].shape for im in images)
+    return (torch.stack(images) if same else images), labels
+
+
+def main(argv=None) -> None:
+    cfg, raw = parse(ViTConfig, argv, description=__doc__)
+    train_set, val_set, num_classes = build_datasets(cfg.data)
+    model = Classifier(build_model(cfg, num_classes), label_smoothing=cfg.model.label_smoothing)
+
+    def validate(module, device):
+        import torch.distributed as dist
+
+        rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+        idx = list(shard(len(val_set), rank, world))[: cfg.train.val_batches * cfg.train.micro_batch]
+        loader = DataLoader(Subset(val_set, idx), batch_size=cfg.train.micro_batch, collate_fn=collate)
+        return evaluate_classification(module, loader, device, to_device=move_to)
+
+    patches = (cfg.data.img_size // cfg.model.patch_size) ** 2
+    fit(
+        model=model,
+        train=cfg.train,
+        deepspeed_overrides=cfg.deepspeed,
+        train_set=train_set,
+        collate=collate,
+        validate=validate,
+        run_config={**raw, "num_classes": num_classes, "script": "vit"},
+        tokens_per_sample=lambda batch: len(batch[1]) * patches,
+    )
+
+
+if __name__ == "__main__":
+    main_guard(main)
