@@ -228,20 +228,32 @@ class MNIST5k(ArrayImageDataset):
         self.split = split
 
 
+@functools.lru_cache(maxsize=1)
+def _digits_arrays() -> tuple[np.ndarray, np.ndarray]:
+    path = python_package_dir("sklearn", pip_name="scikit-learn") / "datasets" / "data" / "digits.csv.gz"
+    if not path.exists():
+        raise MissingPackageError(
+            f"{path} is missing from the scikit-learn install. Reinstall it with `pip install scikit-learn`."
+        )
+    with gzip.open(path, "rb") as f:
+        table = np.loadtxt(f, delimiter=",", dtype=np.float32)  # (1797, 65): 64 pixels (0..16) then the label
+    if table.ndim != 2 or table.shape[1] != 65:
+        raise ValueError(f"{path}: expected 65 columns (64 pixels + label), got shape {table.shape}")
+    images = table[:, :64].reshape(-1, 8, 8) / 16.0
+    images.flags.writeable = False
+    return images, table[:, 64].astype(np.int64)
+
+
 class Digits(ArrayImageDataset):
-    """scikit-learn's 1,797 8x8 handwritten digits (values 0..16 scaled to [0, 1]). Splits: see the module."""
+    """scikit-learn's 1,797 8x8 handwritten digits (``load_digits``; values 0..16 scaled to [0, 1]).
+
+    Read from ``sklearn/datasets/data/digits.csv.gz`` without importing scikit-learn. Splits: see the module.
+    """
 
     def __init__(self, split: str = "all", **kwargs) -> None:
-        try:
-            from sklearn.datasets import load_digits
-        except ImportError as e:
-            raise MissingPackageError(
-                "scikit-learn is not installed. Install it with `pip install scikit-learn`."
-            ) from e
-        d = load_digits()
-        images = (d.images / 16.0).astype(np.float32)  # (1797, 8, 8)
+        images, labels = _digits_arrays()
         idx = _strided_split(len(images), split)
-        super().__init__(images[idx], d.target[idx], classes=DIGIT_CLASSES, **kwargs)
+        super().__init__(images[idx], labels[idx], classes=DIGIT_CLASSES, **kwargs)
         self.split = split
 
 
