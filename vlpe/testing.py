@@ -32,6 +32,7 @@ __all__ = [
     "check",
     "property_report",
     "probe",
+    "effects",
     "random_qk",
     "sample_positions",
     "grid_positions",
@@ -95,39 +96,72 @@ def probe(enc: Encoding, pos: Positions, *, seed: int = 0, layers: int | None = 
     return x
 
 
+# --------------------------------------------------------------------------- effects
+def effects(enc: Encoding, pos: Positions, q: Tensor, k: Tensor, x: Tensor) -> dict[str, Tensor]:
+    """Everything an encoding does at ``pos``, as tensors: the logits (rotate/widen/score) and, for
+    encodings acting on tokens, what ``embed`` adds and what every ``mix`` returns (all rows: prefix first).
+
+    The property checks compare these, so ``embed``/``mix`` encodings are held to their claims too.
+    """
+    out = {"logits": attention_logits(enc, q, k, pos)}
+    if enc.uses("embed") or enc.uses("mix"):
+        ctx = enc.prepare(pos)
+        if enc.uses("embed"):
+            out["embed"] = enc.embed(x, ctx) - x
+        if enc.uses("mix"):
+            for layer in range(enc.depth):
+                out[f"mix{layer}"] = enc.mix(x, ctx, layer)
+    return out
+
+
+def _tokens(enc: Encoding, n: int, *, seed: int = 0, batch: int = 1) -> Tensor:
+    g = torch.Generator().manual_seed(seed + 1000)
+    return torch.randn(batch, n, enc.dim, generator=g)
+
+
+def _rows(name: str, t: Tensor, idx: Tensor) -> Tensor:
+    """Restrict an effect to the token subset ``idx`` (queries and keys for logits)."""
+    if name == "logits":
+        return t[:, :, idx][:, :, :, idx]
+    return t[:, idx]
+
+
 # --------------------------------------------------------------------------- checks
 def check_relative(enc: Encoding, *, atol: float = 1e-4) -> None:
-    """Patch-patch logits are unchanged when every non-prefix token moves by the same offset.
+    """Patch-patch effects are unchanged when every non-prefix token moves by the same offset.
 
     (Prefix tokens sit at no position, so their logits with moved patches may change.)
     """
     pos = grid_positions(enc)
     p = pos.prefix
     q, k = random_qk(enc, pos.num_tokens)
-    base = attention_logits(enc, q, k, pos)[..., p:, p:]
+    x = _tokens(enc, pos.num_tokens)
+    idx = torch.arange(p, pos.num_tokens)
+    base = effects(enc, pos, q, k, x)
     for offset in ([3.0] * enc.num_axes, [(-1.0) ** a * (a + 2.5) for a in range(enc.num_axes)]):
-        shifted = attention_logits(enc, q, k, pos.shifted(offset))[..., p:, p:]
-        _close(shifted, base, atol, f"relative: logits changed under the shift {offset}")
+        moved = effects(enc, pos.shifted(offset), q, k, x)
+        for name, t in base.items():
+            _close(_rows(name, moved[name], idx), _rows(name, t, idx), atol, f"relative: {name} changed under the shift {offset}")
 
 
 def check_extrapolation(enc: Encoding, *, atol: float = 1e-4) -> None:
-    """Logits of a small grid equal the matching sub-block of a larger grid (same q/k per position)."""
+    """Effects on a small grid equal the matching sub-block of a larger grid (same q/k/tokens per position)."""
     A = enc.num_axes
     small_shape = {1: (6,), 2: (3, 4), 3: (2, 3, 3)}.get(A, (2,) * A)
     big_shape = tuple(s + 2 + a for a, s in enumerate(small_shape))
     big = grid_positions(enc, big_shape)
     small = grid_positions(enc, small_shape)
     q, k = random_qk(enc, big.num_tokens)
+    x = _tokens(enc, big.num_tokens)
     # indices of the small grid's tokens inside the big one (prefix first)
     inside = torch.ones(big.num_tokens - big.prefix, dtype=torch.bool)
     for a, s in enumerate(small_shape):
         inside &= big.patch_coords[0, :, a] < s
     idx = torch.cat([torch.arange(big.prefix), big.prefix + inside.nonzero().squeeze(1)])
-    big_logits = attention_logits(enc, q, k, big)[:, :, idx][:, :, :, idx]
-    small_logits = attention_logits(enc, q[:, :, idx], k[:, :, idx], small)
-    _close(small_logits, big_logits, atol, f"extrapolation: grid {small_shape} differs from its block in {big_shape}")
-
-
+    big_fx = effects(enc, big, q, k, x)
+    small_fx = effects(enc, small, q[:, :, idx], k[:, :, idx], x[:, idx])
+    for name, t in small_fx.items():
+        _close(t, _rows(name, big_fx[name], idx), atol, f"extrapolation: {name} on grid {small_shape} differs from its block in {big_shape}")
 def check_neutral(enc: Encoding, *, atol: float = 1e-5) -> None:
     """After ``neutralize()``, the whole effect (probe output) equals ``nope`` exactly."""
     neutral = copy.deepcopy(enc).eval()
@@ -159,30 +193,34 @@ def _random_rotation(A: int, seed: int) -> Tensor:
 
 
 def check_rotation_invariant(enc: Encoding, *, atol: float = 1e-4) -> None:
-    """Logits are unchanged when continuous coordinates rotate by a random rotation about the origin."""
+    """Effects are unchanged when continuous coordinates rotate by a random rotation about the origin."""
     pos = sample_positions(enc)
     q, k = random_qk(enc, pos.num_tokens)
-    base = attention_logits(enc, q, k, pos)
+    x = _tokens(enc, pos.num_tokens)
+    base = effects(enc, pos, q, k, x)
     for seed in (1, 2):
         rot = _random_rotation(enc.num_axes, seed)
         turned = pos.with_coords((pos.coords.double() @ rot.T).float(), keep_grid=False)
-        _close(attention_logits(enc, q, k, turned), base, atol, f"rotation_invariant: logits changed (seed {seed})")
+        for name, t in effects(enc, turned, q, k, x).items():
+            _close(t, base[name], atol, f"rotation_invariant: {name} changed (seed {seed})")
 
 
 def check_fp32_angles(enc: Encoding, *, rel_tol: float = 5e-2) -> None:
-    """Under bf16 autocast, logits at large coordinates stay close to fp32.
+    """Under bf16 autocast, effects at large coordinates stay close to fp32.
 
     Angles or distances computed in bf16 at coordinates ~500 are off by radians; bf16 matmuls alone
     stay within a few percent.
     """
     pos = grid_positions(enc).shifted([500.0] * enc.num_axes)
     q, k = random_qk(enc, pos.num_tokens)
-    ref = attention_logits(enc, q, k, pos)
+    x = _tokens(enc, pos.num_tokens)
+    ref = effects(enc, pos, q, k, x)
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        low = attention_logits(enc, q, k, pos)
-    err = (low.double() - ref.double()).abs().max().item() / ref.abs().max().clamp_min(1e-6).item()
-    if not math.isfinite(err) or err > rel_tol:
-        raise PropertyFailure(f"fp32_angles: bf16-autocast logits off by {err:.3g} (relative) > {rel_tol}")
+        low = effects(enc, pos, q, k, x)
+    for name, t in ref.items():
+        err = (low[name].double() - t.double()).abs().max().item() / t.abs().max().clamp_min(1e-6).item()
+        if not math.isfinite(err) or err > rel_tol:
+            raise PropertyFailure(f"fp32_angles: bf16-autocast {name} off by {err:.3g} (relative) > {rel_tol}")
 
 
 def check_errors(enc: Encoding) -> None:
