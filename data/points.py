@@ -23,7 +23,6 @@ and the first N points of a sample with more points are the N-point sample (with
 from __future__ import annotations
 
 import hashlib
-import io
 import json
 import math
 import os
@@ -192,7 +191,10 @@ def read_off(text: str, name: str = "") -> Mesh:
     k = len(first[0].split()) if first else 0
     values = _numbers(rest) if k >= 3 else None
     if values is not None and values.size >= nv * k:
-        faces = _triangles(values[nv * k :], nf) if nf else (np.zeros((0, 3), np.int64) if values.size == nv * k else None)
+        if nf:
+            faces = _triangles(values[nv * k :], nf)
+        else:
+            faces = np.zeros((0, 3), np.int64) if values.size == nv * k else None
         if faces is not None:
             return Mesh(values[: nv * k].reshape(nv, k)[:, :3], faces, name)
     lines = _content_lines(rest)
@@ -337,7 +339,8 @@ def read_ply(data: bytes, name: str = "") -> Mesh:
                             fast = True
                             pos += count * dt.itemsize
                             if el_name == "face":
-                                faces = _fan(table["idx"].astype(np.int64).tolist()) if n0 != 3 else table["idx"].astype(np.int64)
+                                idx = table["idx"].astype(np.int64)  # (count, n0)
+                                faces = idx if n0 == 3 else _fan(idx.tolist())
                 if not fast:
                     for _ in range(count):
                         row = []
@@ -463,7 +466,10 @@ class LoadStats:
     loaded: int = 0  # classes of the dataset
 
     def as_dict(self) -> dict:
-        return {k: (list(v) if isinstance(v, list) else dict(v) if isinstance(v, dict) else v) for k, v in self.__dict__.items()}
+        out = {}
+        for k, v in self.__dict__.items():
+            out[k] = list(v) if isinstance(v, list) else dict(v) if isinstance(v, dict) else v
+        return out
 
 
 def load_shapes(source: str | os.PathLike, *, min_points: int = 200) -> tuple[list[Mesh], LoadStats]:
@@ -807,7 +813,8 @@ def _disk(r: float, z: float, segments: int = 32) -> Mesh:
     t = 2 * math.pi * np.arange(segments) / segments
     rim = np.stack([r * np.cos(t), r * np.sin(t), np.full(segments, z)], 1)
     v = np.concatenate([[[0.0, 0.0, z]], rim])
-    faces = np.stack([np.zeros(segments, dtype=np.int64), 1 + np.arange(segments), 1 + (np.arange(segments) + 1) % segments], 1)
+    k = np.arange(segments)
+    faces = np.stack([np.zeros(segments, dtype=np.int64), 1 + k, 1 + (k + 1) % segments], 1)  # (segments, 3)
     return Mesh(v, faces)
 
 
@@ -854,7 +861,8 @@ def _pyramid(base: float, h: float) -> Mesh:
 
 
 def _legs(w: float, d: float, h: float, r: float) -> list[Mesh]:
-    return [_moved(_cylinder(r, h, segments=12), (sx * (w / 2 - r), sy * (d / 2 - r), 0)) for sx in (-1, 1) for sy in (-1, 1)]
+    leg = _cylinder(r, h, segments=12)
+    return [_moved(leg, (sx * (w / 2 - r), sy * (d / 2 - r), 0)) for sx in (-1, 1) for sy in (-1, 1)]
 
 
 def synthetic_shape(name: str, rng: np.random.Generator) -> Mesh:

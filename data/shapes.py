@@ -355,7 +355,9 @@ class Shapes(Dataset):
             raise ValueError(f"classes must be distinct names from {list(SHAPE_CLASSES)}, got {list(classes)}")
         lo, hi = (float(v) for v in size_range)
         if not 0 < lo <= hi <= 1:
-            raise ValueError(f"size_range must be (lo, hi) with 0 < lo <= hi <= 1 (fractions of the side), got {size_range}")
+            raise ValueError(
+                f"size_range must be (lo, hi) with 0 < lo <= hi <= 1 (fractions of the side), got {size_range}"
+            )
         backgrounds = tuple(backgrounds or ())
         for b in backgrounds:
             check_choice("background", b, tuple(BACKGROUNDS))

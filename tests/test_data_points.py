@@ -23,7 +23,6 @@ from data.points import (
     Mesh,
     SyntheticShapes3D,
     SYNTHETIC_CLASSES,
-    load_shapes,
     point_count_protocol,
     random_rotation,
     read_obj,
@@ -189,8 +188,10 @@ def _write_shapes(folder):
     (folder / "tri.off").write_text("OFF\n3 1 0\n0 0 0\n1 0 0\n0 1 0\n3 0 1 2\n")
     (folder / "quad.obj").write_text("v 0 0 0\nv 2 0 0\nv 2 1 0\nv 0 1 0\nv 0 0 3\nf 1 2 3 4\nf 1 2 5\n")
     (folder / "broken.off").write_text("OFF\n8 12 0\n0 0 0\n1 1\n")
-    (folder / "garbage.ply").write_bytes(b"ply\nformat binary_little_endian 1.0\nelement vertex 100\n"
-                                         b"property double x\nproperty double y\nproperty double z\nend_header\n\x00\x01")
+    (folder / "garbage.ply").write_bytes(
+        b"ply\nformat binary_little_endian 1.0\nelement vertex 100\n"
+        b"property double x\nproperty double y\nproperty double z\nend_header\n\x00\x01"
+    )
     (folder / "empty.xyz").write_text("")
     (folder / "notes.txt").write_text("ignored: not a shape extension")
 
@@ -255,7 +256,8 @@ def test_invalid_point_arguments(cgal, tmp_path):
 
 # ----------------------------------------------------------------------------- procedural shapes
 def test_synthetic_shapes():
-    ds = SyntheticShapes3D(num_points=512, samples_per_class=3, rotation="none", scale=None, jitter=0.0)
+    opts = dict(num_points=512, samples_per_class=3, rotation="none", scale=None, jitter=0.0)
+    ds = SyntheticShapes3D(**opts)
     assert ds.num_classes == len(SYNTHETIC_CLASSES) == 10 and len(ds) == 30
     for i in range(10):
         x, y = ds[i]
@@ -266,7 +268,7 @@ def test_synthetic_shapes():
     assert np.allclose(np.linalg.norm(sphere, axis=1), 1.0, atol=0.01)  # a (tessellated) unit sphere
     torus = ds.points(4)  # axis z, R = 1 normalised: points lie at |z| <= tube radius
     assert np.abs(torus[:, 2]).max() < 0.35
-    assert torch.equal(ds[13][0], SyntheticShapes3D(num_points=512, samples_per_class=3, rotation="none", scale=None, jitter=0.0)[13][0])
+    assert torch.equal(ds[13][0], SyntheticShapes3D(**opts)[13][0])
     assert not torch.equal(ds[13][0], ds.variant(seed=1)[13][0])
     assert not np.allclose(ds.points(16), ds.points(26)[:512])  # two tables differ in proportions
 
