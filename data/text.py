@@ -45,7 +45,9 @@ def _tokenizers():
     try:
         import tokenizers
     except ImportError as err:  # pragma: no cover
-        raise ImportError("the text tokenizer needs `tokenizers`; install it with: pip install tokenizers==0.23.3") from err
+        raise ImportError(
+            "the text tokenizer needs `tokenizers`; install it with: pip install tokenizers==0.23.3"
+        ) from err
     return tokenizers
 
 
@@ -76,6 +78,7 @@ class WordTokenizer:
         self._id_to_token = {i: t for t, i in vocab.items()}
         for name in ("pad", "unk", "bos", "eos"):
             setattr(self, f"{name}_id", vocab[f"<{name}>"])
+        self._cache: dict[str, tuple[int, ...]] = {}  # task texts repeat: encode each once
         self.vision_start_id = vocab["<|vision_start|>"]
         self.vision_end_id = vocab["<|vision_end|>"]
         self.image_token_id = vocab["<|image_pad|>"]
@@ -101,14 +104,18 @@ class WordTokenizer:
         return [piece for piece, _ in self._tok.pre_tokenizer.pre_tokenize_str(normalized)]
 
     def encode(self, text: str) -> list[int]:
+        hit = self._cache.get(text)
+        if hit is not None:
+            return list(hit)
         enc = self._tok.encode(text, add_special_tokens=False)
-        unknown = [t for t, i in zip(enc.tokens, enc.ids) if i == self.unk_id and t != "<unk>"]
         if self.unk_id in enc.ids:
-            pieces = [p for p in self.split(text) if p not in self._vocab]
+            pieces = [p for p in self.split(text) if p not in self._vocab] or ["<unk>"]
             raise ValueError(
-                f"words {pieces or unknown} of {text!r} are not in the tokenizer's vocabulary; "
+                f"words {pieces} of {text!r} are not in the tokenizer's vocabulary; "
                 "build the tokenizer from texts that include them"
             )
+        if len(self._cache) < 65536:
+            self._cache[text] = tuple(enc.ids)
         return list(enc.ids)
 
     def decode(self, ids: Sequence[int], *, skip_special_tokens: bool = True) -> str:

@@ -9,8 +9,9 @@ tick of the new rate, from the real timestamps), or explicit ``indices``.
 decord is known to hang in ``get_batch`` and to leak native memory (dmlc/decord #269, #208, #197), so by
 default every read runs in a small decoder process owned by the calling process (one per DataLoader
 worker, started lazily, no torch inside). The caller waits at most ``timeout`` seconds; on a timeout or a
-crash the decoder process is killed and a fresh one is started for the next read ("reopen"), and with
-``backend="auto"`` the read is retried once with PyAV. A file that neither backend can decode, or whose
+crash the decoder process is killed and a fresh one is started for the next read ("reopen"; it is also
+recycled every 256 reads, which bounds the leaks), and with ``backend="auto"`` the read is retried once
+with PyAV. A file that neither backend can decode, or whose
 decodable frames stop well short of the frame count the container declares (a truncated file), raises
 :class:`VideoDecodeError`. :class:`VideoDataset` turns that into a skipped sample with a warning, and
 :class:`VideoLoader` counts the skips in its ``stats``. Nothing blocks for longer than the deadline.
@@ -276,7 +277,9 @@ def select_indices(
         if idx.size == 0:
             raise ValueError("indices is empty; pass at least one frame index")
         if idx.min() < -n or idx.max() >= n:
-            raise ValueError(f"frame indices must lie in [-{n}, {n}) for this {n}-frame video, got {idx.min()}..{idx.max()}")
+            raise ValueError(
+                f"frame indices must lie in [-{n}, {n}) for this {n}-frame video, got {idx.min()}..{idx.max()}"
+            )
         return np.where(idx < 0, idx + n, idx)
     if num_frames is not None:
         return np.linspace(0, n - 1, int(num_frames)).round().astype(np.int64)
@@ -351,9 +354,8 @@ def _read_decord(path, num_frames, fps, indices, size) -> Clip:
     idx = select_indices(ts, num_frames=num_frames, fps=fps, indices=indices)
     try:
         if seekable:
-            frames = np.concatenate(
-                [resize_frames(vr.get_batch(idx[s : s + _CHUNK].tolist()).asnumpy(), size) for s in range(0, idx.size, _CHUNK)]
-            )
+            chunks = [vr.get_batch(idx[s : s + _CHUNK].tolist()).asnumpy() for s in range(0, idx.size, _CHUNK)]
+            frames = np.concatenate([resize_frames(c, size) for c in chunks])
         else:  # read every frame up to the last one wanted, in order, keeping the wanted ones
             wanted = np.unique(idx)
             kept: dict[int, np.ndarray] = {}
@@ -476,10 +478,12 @@ class _Decoder:
     """Handle on one decoder process (a subprocess running :func:`_serve`)."""
 
     STARTUP_S = 60.0
+    RECYCLE_AFTER = 256  # reads per process: bounds decord's native leaks (dmlc/decord #208)
 
     def __init__(self) -> None:
         self.proc: subprocess.Popen | None = None
         self.lock = threading.Lock()
+        self.served = 0
 
     def _start(self) -> None:
         env = dict(os.environ)
@@ -518,9 +522,11 @@ class _Decoder:
 
     def call(self, request: dict, timeout: float) -> Clip:
         with self.lock:
-            if self.proc is None or self.proc.poll() is not None:
+            if self.proc is None or self.proc.poll() is not None or self.served >= self.RECYCLE_AFTER:
                 self.kill()
                 self._start()
+                self.served = 0
+            self.served += 1
             try:
                 _write_msg(self.proc.stdin.fileno(), request)
                 status, payload = _read_msg(self.proc.stdout.fileno(), time.monotonic() + timeout)
@@ -591,7 +597,8 @@ def read_video(
     else:
         _require(backend)
         order = [backend]
-    request = dict(path=path, num_frames=num_frames, fps=fps, indices=None if indices is None else list(indices), size=size)
+    indices = None if indices is None else list(indices)
+    request = dict(path=path, num_frames=num_frames, fps=fps, indices=indices, size=size)
     failures = []
     for b in order:
         try:
@@ -636,7 +643,8 @@ class VideoDataset:
             raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
         _check_sampling(num_frames, fps, indices)
         self.paths = [os.fspath(p) for p in paths]
-        self.options = dict(num_frames=num_frames, fps=fps, indices=indices, size=_normalize_size(size), backend=backend, timeout=timeout)
+        self.options = dict(num_frames=num_frames, fps=fps, indices=indices, size=_normalize_size(size))
+        self.options.update(backend=backend, timeout=timeout)
 
     def __len__(self) -> int:
         return len(self.paths)

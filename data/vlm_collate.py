@@ -190,7 +190,10 @@ class VLMCollator:
         grid_ts = (grid_ts[:, 0] + grid_ts[:, -1]) / 2  # (grid_t,)
         return patches, grid, spg, grid_ts
 
-    def _encode(self, sample: Any, pixel_chunks, grids, types, spgs, grid_times) -> tuple[list[int], list[int], list[int]]:
+    def _encode(
+        self, sample: Any, pixel_chunks: list, grids: list, types: list, spgs: list, grid_times: list
+    ) -> tuple[list[int], list[int], list[int]]:
+        """Token ids, token types and labels of one sample; its vision blocks are appended to the lists."""
         tok = self.tokenizer
         ids, mm, labels = [], [], []
         if self.add_bos:
@@ -244,9 +247,9 @@ class VLMCollator:
         for b, (ids, mm, lab) in enumerate(rows):
             n = len(ids)
             sl = slice(0, n) if self.padding_side == "right" else slice(S - n, S)
-            input_ids[b, sl] = torch.tensor(ids)
-            mm_types[b, sl] = torch.tensor(mm)
-            labels[b, sl] = torch.tensor(lab)
+            input_ids[b, sl] = torch.from_numpy(np.asarray(ids, dtype=np.int64))
+            mm_types[b, sl] = torch.from_numpy(np.asarray(mm, dtype=np.int64))
+            labels[b, sl] = torch.from_numpy(np.asarray(lab, dtype=np.int64))
             attention[b, sl] = 1
         dim = 3 * self.temporal_patch_size * self.patch_size**2
         grid_thw = torch.tensor(grids, dtype=torch.long).reshape(-1, 3)

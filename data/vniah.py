@@ -129,7 +129,9 @@ class NeedlePool:
     def num_classes(self) -> int:
         return len(self.answers)
 
-    def draw(self, rng: np.random.Generator, classes: Sequence[int] | None = None, *, exclude: Sequence[int] = ()) -> tuple[int, int]:
+    def draw(
+        self, rng: np.random.Generator, classes: Sequence[int] | None = None, *, exclude: Sequence[int] = ()
+    ) -> tuple[int, int]:
         """(item index, class) of a random item, of a class drawn from ``classes`` minus ``exclude``."""
         pool = [c for c in (range(self.num_classes) if classes is None else classes) if c not in set(exclude)]
         if not pool:
@@ -175,10 +177,11 @@ class ProceduralHaystack:
 
 
 @functools.lru_cache(maxsize=8)
-def _real_pool(clips: tuple[str, ...], size: tuple[int, int], sample_fps: float | None, backend: str, timeout: float) -> np.ndarray:
-    parts = [
-        read_video(real_clip_path(name), size=size, fps=sample_fps, backend=backend, timeout=timeout).frames for name in clips
-    ]
+def _real_pool(
+    clips: tuple[str, ...], size: tuple[int, int], sample_fps: float | None, backend: str, timeout: float
+) -> np.ndarray:
+    opts = dict(size=size, fps=sample_fps, backend=backend, timeout=timeout)
+    parts = [read_video(real_clip_path(name), **opts).frames for name in clips]
     pool = np.concatenate(parts)
     pool.flags.writeable = False
     return pool
@@ -190,6 +193,8 @@ class RealHaystack:
     concatenated in order and looped; a sample is ``L`` consecutive pool frames from a random start.
 
     The pool is decoded once per process and size (through the deadline-guarded reader) and cached.
+    ``backend`` defaults to PyAV: for these whole-clip sequential decodes it is several times faster than
+    decord (1,635 frames at 32x32: 4.7 s vs 21 s on a 2-core machine); "auto" or "decord" work too.
     """
 
     def __init__(
@@ -197,7 +202,7 @@ class RealHaystack:
         clips: Sequence[str] = HAYSTACK_CLIPS,
         *,
         sample_fps: float | None = None,
-        backend: str = "auto",
+        backend: str = "av",
         timeout: float = 300.0,
     ):
         self.clips = tuple(clips)
@@ -223,7 +228,9 @@ def _make_haystack(haystack: Any) -> Any:
         return RealHaystack()
     if hasattr(haystack, "frames"):
         return haystack
-    raise ValueError(f"haystack must be 'procedural', 'real' or an object with .frames(rng, length, size), got {haystack!r}")
+    raise ValueError(
+        f"haystack must be 'procedural', 'real' or an object with .frames(rng, length, size), got {haystack!r}"
+    )
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -232,7 +239,8 @@ def _make_haystack(haystack: Any) -> Any:
 
 
 def needle_depth_index(depth: float, length: int, span: int = 1) -> int:
-    """First frame of a ``span``-frame needle at ``depth`` in a ``length``-frame video: ``round(depth * (length - span))``."""
+    """First frame of a ``span``-frame needle at ``depth`` in a ``length``-frame video:
+    ``round(depth * (length - span))``."""
     if not (isinstance(depth, (int, float, np.floating)) and 0.0 <= float(depth) <= 1.0):
         raise ValueError(f"needle depth must be a number in [0, 1], got {depth!r}")
     if length < span:
@@ -404,7 +412,9 @@ class VNIAH(_Task):
         if distractors == "single" and not (isinstance(delta, (int, np.integer)) and delta >= span):
             raise ValueError(f"delta must be an integer >= needle_span ({span}) frames, got {delta!r}")
         if distractors == "periodic" and not (isinstance(period, (int, np.integer)) and period >= span):
-            raise ValueError(f"periodic distractors need period= an integer >= needle_span ({span}) frames, got {period!r}")
+            raise ValueError(
+                f"periodic distractors need period= an integer >= needle_span ({span}) frames, got {period!r}"
+            )
         self.distractors, self.delta, self.period = distractors, int(delta), None if period is None else int(period)
         self.task = {None: "v_niah", "single": "v_niah_d", "periodic": "v_niah_d_periodic"}[distractors]
         super().__init__(
@@ -478,7 +488,9 @@ class VCounting(_Task):
         seed: int = 0,
     ):
         if not 1 <= int(min_count) <= int(max_count) < len(NUMBER_WORDS):
-            raise ValueError(f"need 1 <= min_count <= max_count <= {len(NUMBER_WORDS) - 1}, got {min_count}, {max_count}")
+            raise ValueError(
+                f"need 1 <= min_count <= max_count <= {len(NUMBER_WORDS) - 1}, got {min_count}, {max_count}"
+            )
         if int(num_distractors) < 0:
             raise ValueError(f"num_distractors must be >= 0, got {num_distractors}")
         self.min_count, self.max_count, self.num_distractors = int(min_count), int(max_count), int(num_distractors)

@@ -73,7 +73,8 @@ def test_token_layout_and_labels(tok):
 
 def test_padding_sides(tok):
     short = [("text", "what item ?"), ("image", rng_frames(2, 8, 8, 3)), ("answer", "coat")]
-    long = [("text", "what item is shown in red ?"), ("video", rng_frames(3, 2, 8, 8, 3), [0.0, 0.5]), ("answer", "bag")]
+    clip = rng_frames(3, 2, 8, 8, 3)
+    long = [("text", "what item is shown in red ?"), ("video", clip, [0.0, 0.5]), ("answer", "bag")]
     right = VLMCollator(tok, patch_size=P)([short, long])
     left = VLMCollator(tok, patch_size=P, padding_side="left")([short, long])
     n_short = int(right["attention_mask"][0].sum())
@@ -112,7 +113,8 @@ def rebuild(pixel_values, grid, *, p, tp=2, m=2):
 def test_pixel_values_rebuild_the_frames(tok):
     video = rng_frames(4, 5, 16, 24, 3)  # odd frame count: the last frame is repeated
     image = rng_frames(5, 8, 16, 3)
-    batch = VLMCollator(tok, patch_size=P)([[("video", video, np.arange(5) / 4.0), ("image", image), ("answer", "bag")]])
+    sample = [("video", video, np.arange(5) / 4.0), ("image", image), ("answer", "bag")]
+    batch = VLMCollator(tok, patch_size=P)([sample])
     pv = batch["pixel_values"]
     n_video = 3 * 4 * 6
     got = rebuild(pv[:n_video], (3, 4, 6), p=P)
@@ -134,7 +136,8 @@ def test_matches_transformers_qwen2vl_processors(tok):
     batch = to_hf_inputs(VLMCollator(tok, patch_size=P)([[("image", image), ("video", video, np.arange(5) / 2.0)]]))
     kw = dict(do_resize=False, patch_size=P, merge_size=2, temporal_patch_size=2)
     ref_img = Qwen2VLImageProcessor(**kw)(images=[image], return_tensors="pt")
-    ref_vid = Qwen2VLVideoProcessor(**kw, do_sample_frames=False)(videos=[video], return_tensors="pt", cap_pixels_per_frame=False)
+    video_processor = Qwen2VLVideoProcessor(**kw, do_sample_frames=False)
+    ref_vid = video_processor(videos=[video], return_tensors="pt", cap_pixels_per_frame=False)
     torch.testing.assert_close(batch["pixel_values"], ref_img["pixel_values"], atol=1e-5, rtol=0)
     torch.testing.assert_close(batch["pixel_values_videos"], ref_vid["pixel_values_videos"], atol=1e-5, rtol=0)
     assert torch.equal(batch["image_grid_thw"], ref_img["image_grid_thw"])
@@ -196,7 +199,8 @@ def test_a_tiny_transformers_qwen2vl_consumes_the_batch(tok):
     cfg = Qwen2VLConfig(
         text_config=dict(
             hidden_size=32, intermediate_size=37, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
-            vocab_size=tok.vocab_size, rope_parameters={"rope_type": "default", "mrope_section": [2, 1, 1], "rope_theta": 1e4},
+            vocab_size=tok.vocab_size,
+            rope_parameters={"rope_type": "default", "mrope_section": [2, 1, 1], "rope_theta": 1e4},
             bos_token_id=tok.bos_id, eos_token_id=tok.eos_id, pad_token_id=tok.pad_id,
         ),
         vision_config=dict(depth=1, embed_dim=32, hidden_size=32, num_heads=4, patch_size=P, spatial_merge_size=2,
