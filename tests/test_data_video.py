@@ -121,6 +121,26 @@ def test_decord_and_pyav_agree(name, indices):
     assert np.abs(a.frames.astype(float) - b.frames).mean() < 2.0
 
 
+def test_auto_falls_back_to_pyav_when_decord_cannot_decode(tmp_path):
+    # decord 0.6.0's FFmpeg has no AV1 decoder; PyAV's has one.
+    frames = ProceduralVideo(height=32, width=32, seed=2).frames(range(6))
+    path = tmp_path / "av1.mkv"
+    with av.open(str(path), "w") as out:
+        stream = out.add_stream("libsvtav1", rate=5)
+        stream.width, stream.height, stream.pix_fmt = 32, 32, "yuv420p"
+        for f in frames:
+            for packet in stream.encode(av.VideoFrame.from_ndarray(f, format="rgb24")):
+                out.mux(packet)
+        for packet in stream.encode():
+            out.mux(packet)
+    with pytest.raises(VideoDecodeError, match="decord"):
+        read_video(path, backend="decord", timeout=30)
+    clip = read_video(path, timeout=30)
+    assert clip.backend == "av" and len(clip) == 6
+    np.testing.assert_allclose(clip.timestamps, np.arange(6) / 5, atol=1e-3)
+    assert np.abs(clip.frames.astype(float) - frames).mean() < 20.0  # lossy AV1 at 32 px; another video: ~45
+
+
 # --------------------------------------------------------------------------- corrupt and hanging files
 
 
