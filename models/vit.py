@@ -31,7 +31,7 @@ PRESETS: dict[str, dict[str, int]] = {
     "small": dict(embed_dim=384, depth=12, num_heads=6),
     "base": dict(embed_dim=768, depth=12, num_heads=12),
     # CPU-sized for tests and the CPU configs
-    "micro": dict(embed_dim=96, depth=4, num_heads=4),
+    "micro": dict(embed_dim=192, depth=4, num_heads=12),
     "nano": dict(embed_dim=64, depth=2, num_heads=4),
 }
 
