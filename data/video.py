@@ -336,7 +336,10 @@ def _read_decord(path, num_frames, fps, indices, size) -> Clip:
     n = len(vr)
     if n == 0:
         raise VideoDecodeError(path, "decord found no frames")
-    info = probe_video(path) if _installed("av") else None
+    try:  # container facts for the truncation check and for broken decord timestamps
+        info = probe_video(path) if _installed("av") else None
+    except Exception:
+        info = None
     ts = vr.get_frame_timestamp(np.arange(n))[:, 0].astype(np.float64)
     seekable = _valid_timestamps(ts)
     if not seekable:
@@ -408,9 +411,14 @@ def _read_av(path, num_frames, fps, indices, size) -> Clip:
 
 
 def _read_local(path: str, backend: str, num_frames, fps, indices, size) -> Clip:
-    if backend == "decord":
-        return _read_decord(path, num_frames, fps, indices, size)
-    return _read_av(path, num_frames, fps, indices, size)
+    """Decode in this process; any failure other than bad arguments becomes a VideoDecodeError."""
+    read = _read_decord if backend == "decord" else _read_av
+    try:
+        return read(path, num_frames, fps, indices, size)
+    except (VideoDecodeError, ValueError, ImportError):
+        raise
+    except Exception as err:
+        raise VideoDecodeError(path, f"{backend}: {type(err).__name__}: {err}") from err
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -469,8 +477,8 @@ def _serve() -> None:  # pragma: no cover - runs in the decoder process
             reply = ("ok", _read_local(**request))
         except (VideoDecodeError, ValueError, ImportError) as err:  # travel back as themselves
             reply = ("err", err)
-        except Exception as err:  # anything else still travels back with its message
-            reply = ("err", VideoDecodeError(request["path"], f"{type(err).__name__}: {err}"))
+        except Exception as err:  # e.g. a request that cannot be unpacked
+            reply = ("err", VideoDecodeError(request.get("path", "?"), f"{type(err).__name__}: {err}"))
         _write_msg(out, reply)
 
 
