@@ -212,9 +212,14 @@ def test_prompt_ending_inside_a_vision_block(variant):
         torch.testing.assert_close(steps, full, atol=ATOL, rtol=0)
 
 
-def test_left_padded_batch():
-    """Two prompts of different lengths, left-padded: generation matches teacher forcing, and every sample's
-    logits equal those of the sample alone (padding changes nothing)."""
+MODES = {"dynamic cache": {}, "no cache": {"use_cache": False}, "static cache": {"cache_implementation": "static"}}
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+@pytest.mark.parametrize("variant", ["mrope_i", "pype"])
+def test_left_padded_batch(variant, mode):
+    """Two prompts of different lengths, left-padded: generation (with a dynamic, a static or no cache) matches
+    teacher forcing, and every sample's logits equal those of the sample alone (padding changes nothing)."""
     family = "qwen2_vl"
     model = model_for(family)
     a_ids, a_types, a_kw = make_prompt(family, "image", pre=5, grid=(1, 4, 6), seed=1)
@@ -228,8 +233,8 @@ def test_left_padded_batch():
         "image_grid_thw": torch.cat([a_kw["image_grid_thw"], b_kw["image_grid_thw"]]),
         "pixel_values": torch.cat([a_kw["pixel_values"], b_kw["pixel_values"]]),
     }
-    with patched(model, "mrope_i"):
-        _, steps, full = generate_and_teacher_force(model, ids, types, kw, attention_mask=mask)
+    with patched(model, variant):
+        _, steps, full = generate_and_teacher_force(model, ids, types, kw, attention_mask=mask, **MODES[mode])
         torch.testing.assert_close(steps, full, atol=ATOL, rtol=0)
         both = logits(model, ids, types, kw, attention_mask=mask)
         torch.testing.assert_close(both[0], logits(model, a_ids, a_types, a_kw)[0], atol=ATOL, rtol=0)
@@ -425,7 +430,7 @@ def test_remove_restores_the_stock_model():
     assert modeling.apply_rotary_pos_emb is rope_fn
     for obj in (model, model.model):
         assert not {"compute_3d_position_ids", "get_rope_index", "_prepare_position_ids_for_generation",
-                    "_vlpe_patch"} & set(obj.__dict__)
+                    } & set(obj.__dict__)
     assert all(not layer.self_attn._forward_pre_hooks for layer in text.layers)
     for k, v in data.items():
         assert torch.equal(logits(model, *v), stock[k])
@@ -580,6 +585,25 @@ def test_errors():
         broken[0, 6] = 0  # one image token marked as text: the blocks no longer match the grid
         with pytest.raises(ValueError, match="grid"):
             model(input_ids=ids, mm_token_type_ids=broken, **kw)
+
+
+@pytest.mark.parametrize("variant", ["mhrope", "pype"])
+def test_training_step_with_gradient_checkpointing(variant):
+    """The per-head wrapper and the per-layer hooks survive the recomputation of checkpointed layers: gradients
+    equal those without checkpointing."""
+    model = _build("qwen2_vl")
+    ids, types, kw = make_prompt("qwen2_vl", "image")
+    grads = []
+    with patched(model, variant):
+        model.train()
+        for checkpointing in (False, True):
+            if checkpointing:
+                model.activation_checkpointing_enable()
+            model.zero_grad()
+            model(input_ids=ids, mm_token_type_ids=types, **kw, labels=ids).loss.backward()
+            grads.append(model.model.language_model.layers[0].self_attn.q_proj.weight.grad.clone())
+    assert grads[0].abs().sum() > 0
+    torch.testing.assert_close(grads[1], grads[0], atol=1e-6, rtol=1e-5)
 
 
 def test_module_leaves_no_global_state_behind():

@@ -53,7 +53,6 @@ from vlpe.encodings import multimodal as mm
 
 __all__ = ["Patch", "MultimodalRotary", "apply", "remove", "patch_of", "position_ids"]
 
-_ATTR = "_vlpe_patch"
 _MASK_BASES = ("sdpa", "eager")
 _ROTARY_KEYS = ("allocation", "section", "theta")
 _NATIVE_ALLOCATION = {"qwen2_vl": "chunked", "qwen2_5_vl": "chunked", "qwen3_vl": "interleaved"}
@@ -188,18 +187,21 @@ def _masked_attention(base: str):
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
     def attention(module, query, key, value, attention_mask, **kwargs):
-        keep = kwargs.pop("vlpe_keep", None)  # (B, 1, S, S) bool, the whole sequence in this forward
-        if keep is not None and key.shape[-2] == keep.shape[-1] and query.shape[-2] == keep.shape[-2]:
+        keep = kwargs.pop("vlpe_keep", None)  # (B, 1, S, S) bool: the whole sequence is in this forward
+        if keep is not None:
+            S, K = keep.shape[-1], key.shape[-2]
+            if query.shape[-2] != S or K < S:
+                raise ValueError(f"a layer mask for {S} tokens met {query.shape[-2]} queries and {K} keys")
             # a query that may see no key (padding) sees itself, so that no row of the softmax is empty
-            eye = torch.eye(keep.shape[-1], dtype=torch.bool, device=keep.device)
+            eye = torch.eye(S, dtype=torch.bool, device=keep.device)
             keep = keep | (eye & ~keep.any(-1, keepdim=True))
+            if K > S:  # a static cache: slots beyond the prompt are empty
+                keep = torch.nn.functional.pad(keep, (0, K - S), value=False)
             if base == "eager":
                 attention_mask = torch.zeros(keep.shape, dtype=query.dtype, device=query.device)
                 attention_mask = attention_mask.masked_fill(~keep.to(query.device), torch.finfo(query.dtype).min)
             else:
                 attention_mask = keep.to(query.device)
-        # else: tokens after a cached prefix are text placed after everything before them, for which the design's
-        # mask is the causal mask the model already built
         if base == "eager":
             impl = sys.modules[type(module).__module__].eager_attention_forward
         else:
@@ -241,6 +243,7 @@ class Patch:
     masked: bool
     _undo: list = field(default_factory=list, repr=False)
     _pending: tuple | None = field(default=None, repr=False)
+    _pads: Tensor | None = field(default=None, repr=False)
 
     @property
     def label(self) -> str:
@@ -355,21 +358,26 @@ class Patch:
         B, S = inputs_embeds.shape[:2] if inputs_embeds is not None else input_ids.shape
         device = inputs_embeds.device if inputs_embeds is not None else input_ids.device
         cached = 0 if cache is None else cache.get_seq_length()
-        mask = attention_mask if attention_mask is not None and attention_mask.dim() == 2 else None
-        if attention_mask is not None and mask is None:
-            raise ValueError("the vlpe patch needs a 2D (batch, seq) attention_mask (padding), not a prepared 4D mask")
+        # generate() with a compileable (static) cache hands the model prepared 4D masks (a dict): the padding
+        # of the prompt then comes from the ids computed when generation started
+        mask = attention_mask if isinstance(attention_mask, Tensor) and attention_mask.dim() == 2 else None
         if cached == 0:
             if image_grid_thw is None and video_grid_thw is None and self._pending is not None:
-                found, self._pending = _take_pending(self._pending, mm_token_type_ids), None
-                if found is not None:  # the prompt of the generate() call that just started
-                    pos, deltas = found
-                    self.base.rope_deltas = deltas
+                found = self._from_pending(mm_token_type_ids)
+                if found is not None:  # the prompt of the running generate() call (+ its generated tokens)
+                    pos, deltas, pads = found
+                    self._remember(deltas, pads)
                     return pos.to(device)
+            if attention_mask is not None and mask is None:
+                raise ValueError(
+                    "the vlpe patch computes prompt ids from a 2D (batch, seq) attention_mask (padding), not from a "
+                    "prepared 4D mask"
+                )
             pos, deltas = self.prompt_position_ids(
                 mm_token_type_ids, image_grid_thw, video_grid_thw, mask, second_per_grid_ts,
                 shape=(B, S), device=device,
             )
-            self.base.rope_deltas = deltas
+            self._remember(deltas, _pads(mask, B, S, device))
             return pos.to(device)
         # tokens after a cached prefix: text placed at cache position + rope delta
         if S > 1 and mm_token_type_ids is not None and bool((mm_token_type_ids[:, -S:] != 0).any()):
@@ -383,12 +391,43 @@ class Patch:
         deltas = deltas.to(device)
         deltas = deltas.repeat_interleave(B // deltas.shape[0], dim=0)
         cache_position = torch.arange(cached, cached + S, device=device)
-        ids = mm.decode_position_ids(self.variant, deltas, cache_position, attention_mask=mask, **self._decode_options())
-        if mask is not None:
+        if mask is not None:  # real-token index from the mask of the whole sequence
+            ids = mm.decode_position_ids(self.variant, deltas, cache_position, attention_mask=mask, **self._decode_options())
             text_pos = (mask.long().cumsum(-1) - 1)[:, -S:]
-        else:
-            text_pos = cache_position.expand(B, S)
+        else:  # from the prompt's padding: every token after the prompt is real
+            pads = self._pads
+            pads = torch.zeros(B, 1, dtype=torch.long, device=device) if pads is None else pads.to(device)
+            text_pos = cache_position.expand(B, S) - pads.repeat_interleave(B // pads.shape[0], dim=0)
+            ids = mm.decode_position_ids(self.variant, deltas, text_pos, **self._decode_options())
         return self.pack(text_pos, ids, torch.ones(B, S, dtype=torch.bool, device=device))
+
+    def _remember(self, deltas: Tensor, pads: Tensor) -> None:
+        """Keep what later tokens are placed from: ``rope_deltas`` (on the model, as transformers does) and the
+        number of padding slots of every prompt."""
+        self.base.rope_deltas = deltas
+        self._pads = pads
+
+    def _from_pending(self, types: Tensor | None) -> tuple[Tensor, Tensor, Tensor] | None:
+        """Ids of the prompt computed when ``generate()`` started, if ``types`` are that prompt's (repeated for
+        beams / ``num_return_sequences``), followed by generated text tokens (``use_cache=False`` re-runs the
+        whole sequence at every step)."""
+        stored, pos, deltas, pads = self._pending
+        B0, S0 = stored.shape
+        if types is None or types.dim() != 2 or types.shape[1] < S0 or types.shape[0] % B0:
+            return None
+        k = types.shape[0] // B0
+        stored = stored.to(types.device).repeat_interleave(k, dim=0)
+        if not torch.equal(stored, types[:, :S0]) or bool((types[:, S0:] != 0).any()):
+            return None
+        dev = types.device
+        pos, deltas, pads = (t.to(dev).repeat_interleave(k, dim=d) for t, d in ((pos, 1), (deltas, 0), (pads, 0)))
+        n = types.shape[1] - S0
+        if n:
+            B = types.shape[0]
+            text_pos = torch.arange(S0, S0 + n, device=dev).expand(B, n) - pads  # generated tokens are real
+            ids = mm.decode_position_ids(self.variant, deltas, text_pos, **self._decode_options())
+            pos = torch.cat([pos, self.pack(text_pos, ids, torch.ones(B, n, dtype=torch.bool, device=dev))], -1)
+        return pos, deltas, pads
 
     def prepare_position_ids_for_generation(self, inputs_tensor: Tensor, model_kwargs: dict) -> None:
         """Bound on the generation model: ``generate()`` computes no ``position_ids`` of its own.
@@ -411,7 +450,8 @@ class Patch:
             mask if mask is not None and mask.dim() == 2 else None, model_kwargs.get("second_per_grid_ts"),
             shape=tuple(inputs_tensor.shape[:2]), device=inputs_tensor.device,
         )
-        self._pending = (types.clone(), pos, deltas)
+        mask = mask if mask is not None and mask.dim() == 2 else None
+        self._pending = (types.clone(), pos, deltas, _pads(mask, *types.shape, types.device))
         self.base.rope_deltas = deltas
         return None
 
@@ -446,7 +486,10 @@ class Patch:
             cos, sin = cos[layer], sin[layer]
         kwargs = dict(kwargs)
         kwargs["position_embeddings"] = (cos, sin)
-        if tables.ids is not None:
+        cache = kwargs.get("cache", kwargs.get("past_key_values"))
+        if tables.ids is not None and (cache is None or not cache.get_seq_length(layer)):
+            # the whole sequence is in this forward; after a cached prefix come text tokens placed after
+            # everything before them, for which the design's mask is the causal mask the model builds anyway
             kwargs["vlpe_keep"] = mm.pype_attention_mask(tables.ids, layer, attention_mask=tables.valid)
         return args, kwargs
 
@@ -456,21 +499,8 @@ class Patch:
         """Restore everything :func:`apply` installed, newest first."""
         while self._undo:
             self._undo.pop()()
-        self._pending = None
-        if self.model.__dict__.get(_ATTR) is self:
-            delattr(self.model, _ATTR)
+        self._pending = self._pads = None
         self.base.rope_deltas = None
-
-
-def _take_pending(pending: tuple, types: Tensor | None) -> tuple[Tensor, Tensor] | None:
-    """The prompt ids computed when ``generate()`` started, repeated for its expanded batch, if ``types`` match."""
-    stored, pos, deltas = pending
-    if types is None or types.dim() != 2 or types.shape[1] != stored.shape[1] or types.shape[0] % stored.shape[0]:
-        return None
-    k = types.shape[0] // stored.shape[0]
-    if not torch.equal(stored.to(types.device).repeat_interleave(k, dim=0), types):
-        return None
-    return pos.repeat_interleave(k, dim=1), deltas.repeat_interleave(k, dim=0)
 
 
 def _model_frequencies(rotary_cls: type, cfg, rope_type: str) -> tuple[Tensor, float]:
@@ -487,6 +517,13 @@ def _model_frequencies(rotary_cls: type, cfg, rope_type: str) -> tuple[Tensor, f
         fn = ROPE_INIT_FUNCTIONS[rope_type]
     inv_freq, scaling = fn(cfg)
     return inv_freq.detach().float().cpu(), scaling
+
+
+def _pads(mask: Tensor | None, B: int, S: int, device) -> Tensor:
+    """``(B, 1)`` padding slots of every prompt."""
+    if mask is None:
+        return torch.zeros(B, 1, dtype=torch.long, device=device)
+    return S - mask.long().sum(-1, keepdim=True).to(device)
 
 
 def _set_instance_attr(obj: Any, name: str, value: Any, undo: list) -> None:
@@ -509,11 +546,14 @@ def _set_instance_attr(obj: Any, name: str, value: Any, undo: list) -> None:
 
 
 def patch_of(model: nn.Module) -> Patch | None:
-    """The :class:`Patch` installed on ``model`` (or on the generation model around it), or None."""
-    found = model.__dict__.get(_ATTR)
-    if found is None and isinstance(getattr(model, "model", None), nn.Module):
-        found = model.model.__dict__.get(_ATTR)
-    return found
+    """The :class:`Patch` installed on ``model``, on its base ``*Model`` or on the generation model around it
+    (the one that owns the text rotary), or None."""
+    try:
+        base, _ = _locate(model)
+    except ValueError:
+        return None
+    rotary = base.language_model.rotary_emb
+    return rotary._patch if isinstance(rotary, MultimodalRotary) else None
 
 
 def apply(model: nn.Module, variant: str | mm.Variant, **options: Any) -> nn.Module:
@@ -531,7 +571,7 @@ def apply(model: nn.Module, variant: str | mm.Variant, **options: Any) -> nn.Mod
     masked design (PyPE) under an attention implementation other than sdpa / eager.
     """
     base, family = _locate(model)
-    old = patch_of(model) or base.__dict__.get(_ATTR)
+    old = patch_of(model)
     if old is not None:
         old.remove()
     v = mm.get_variant(variant)
@@ -623,7 +663,6 @@ def apply(model: nn.Module, variant: str | mm.Variant, **options: Any) -> nn.Mod
         model.set_attn_implementation({"text_config": f"vlpe_{current}"})
         undo.append(lambda: model.set_attn_implementation({"text_config": current}))
 
-    model.__dict__[_ATTR] = patch
     return model
 
 
