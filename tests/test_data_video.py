@@ -216,7 +216,7 @@ def test_missing_package_names_the_install_command(monkeypatch):
     with pytest.raises(ImportError, match=r"pip install decord==0\.6\.0"):
         read_video(real_clip_path("bikes"), backend="decord", timeout=None)
     monkeypatch.setattr(V, "OPENCV_DATA", V.Path("/nonexistent/opencv-doc"))
-    with pytest.raises(FileNotFoundError, match=r"apt-get install -y opencv-doc"):
+    with pytest.raises(ImportError, match=r"apt-get install opencv-doc"):
         real_clip_path("vtest")
     with pytest.raises(ValueError, match="unknown real clip"):
         real_clip_path("sintel")
