@@ -51,14 +51,16 @@ class DesignOut:
     """What a design returns for the vision tokens of a batch.
 
     Attributes:
-        offsets: ``(A, B, S)`` coordinates of vision tokens relative to their unit start (absolute on axes
-            that are not ``anchored``).
-        advance: ``(1 or A, B, S)`` running-position advance, read on the last token of each unit.
+        offsets: per axis, ``(B, S)`` coordinates of vision tokens relative to their unit start (absolute on
+            axes that are not ``anchored``), as a sequence of A tensors or one ``(A, B, S)`` tensor; ignored
+            for text tokens.
+        advance: ``(1 or A, R)`` running-position advance past one unit of each grid row (a frame for
+            per-frame designs).
         anchored: per axis, whether the unit start is added to ``offsets``.
         floating: the design produces fractional positions (float output).
     """
 
-    offsets: Tensor
+    offsets: Sequence[Tensor] | Tensor
     advance: Tensor
     anchored: tuple[bool, ...]
     floating: bool
@@ -105,23 +107,29 @@ def _per_row_choice(values: Sequence[float], L: TokenLayout, generator: torch.Ge
     return table.to(L.device)[idx.to(L.device)]
 
 
+def _unit(L: TokenLayout) -> tuple[Tensor, Tensor, Tensor]:
+    """``(T, H, W)`` of one unit per row, ``(R,)`` each."""
+    return L.unit_grid.unbind(-1)
+
+
 # --------------------------------------------------------------------------- designs
 def _one_d(L: TokenLayout, o: dict) -> DesignOut:
-    n = L.T * L.H * L.W  # (B, S)
-    return DesignOut(L.index.unsqueeze(0), n.unsqueeze(0), (True,), False)
+    T, H, W = _unit(L)
+    return DesignOut(L.index.unsqueeze(0), (T * H * W).unsqueeze(0), (True,), False)
 
 
 def _grid(L: TokenLayout, o: dict) -> DesignOut:
     stride = _positive("temporal_stride", o["temporal_stride"], "grid design")
-    tau, T = L.tau, L.T
+    T, H, W = _unit(L)
+    tau = L.tau
     floating = not _integral(stride)
     if floating:
         tau, T = tau.double(), T.double()
     else:
         stride = int(stride)
     t = tau * stride
-    adv = torch.maximum(torch.maximum((T - 1) * stride, (L.H - 1).to(t.dtype)), (L.W - 1).to(t.dtype)) + 1
-    offsets = torch.stack([t, L.i.to(t.dtype), L.j.to(t.dtype)])  # (3, B, S)
+    adv = torch.maximum(torch.maximum((T - 1) * stride, (H - 1).to(t.dtype)), (W - 1).to(t.dtype)) + 1  # (R,)
+    offsets = (t, L.i, L.j)
     anchored = (True, False, False) if o["spatial_reset"] else (True, True, True)
     return DesignOut(offsets, adv.unsqueeze(0), anchored, floating)
 
@@ -146,12 +154,12 @@ def _absolute_time(L: TokenLayout, o: dict) -> DesignOut:
             spg = torch.zeros(1, device=L.device)
         vid = (is_video.cumsum(0) - 1).clamp(0, spg.numel() - 1)
         per_row = torch.where(is_video, spg[vid], torch.zeros_like(spg[vid]))  # images: no time scaling
-    scale = per_row[L.row]  # (B, S) float32
     # released order of operations: (tau * second_per_grid_t) * tokens_per_second in fp32, then truncation
-    t = ((L.tau.float() * scale) * tps).long()
-    t_last = (((L.T - 1).float() * scale) * tps).long()
-    adv = torch.maximum(torch.maximum(t_last, L.H - 1), L.W - 1) + 1
-    return DesignOut(torch.stack([t, L.i, L.j]), adv.unsqueeze(0), (True, True, True), False)
+    t = ((L.tau.float() * L.rows_to_tokens(per_row)) * tps).long()
+    T, H, W = _unit(L)
+    t_last = (((T - 1).float() * per_row) * tps).long()
+    adv = torch.maximum(torch.maximum(t_last, H - 1), W - 1) + 1  # (R,)
+    return DesignOut((t, L.i, L.j), adv.unsqueeze(0), (True, True, True), False)
 
 
 def _diagonal(L: TokenLayout, o: dict) -> DesignOut:
@@ -162,24 +170,26 @@ def _diagonal(L: TokenLayout, o: dict) -> DesignOut:
             raise ValueError(f"{who}: training=True draws the temporal scale from temporal_scales; got {scales!r}")
         for s in scales:
             _positive("every temporal scale", s, who)
-        gamma = _per_row_choice(scales, L, o["generator"])[L.row]  # (B, S) float64
+        gamma = _per_row_choice(scales, L, o["generator"])  # (R,) float64
     else:
-        gamma = torch.full(L.tau.shape, _positive("temporal_scale", o["temporal_scale"], who),
+        gamma = torch.full((L.num_rows,), _positive("temporal_scale", o["temporal_scale"], who),
                            dtype=torch.float64, device=L.device)
-    t = gamma * L.tau
-    h = t + (L.i - (L.H - 1) // 2)
-    w = t + (L.j - (L.W - 1) // 2)
-    adv = gamma * (L.T - 1) + 1
-    return DesignOut(torch.stack([t, h, w]), adv.unsqueeze(0), (True, True, True), True)
+    T, H, W = _unit(L)
+    t = L.rows_to_tokens(gamma) * L.tau  # (B, S)
+    h = t + (L.i - L.rows_to_tokens((H - 1) // 2))
+    w = t + (L.j - L.rows_to_tokens((W - 1) // 2))
+    adv = gamma * (T - 1) + 1  # (R,)
+    return DesignOut((t, h, w), adv.unsqueeze(0), (True, True, True), True)
 
 
 def _vrope(L: TokenLayout, o: dict) -> DesignOut:
-    span = L.H + L.W - 1  # index span of one frame
+    T, H, W = _unit(L)
+    span = H + W - 1  # (R,) index span of one frame
     ii, jj = L.i, L.j
     ri, rj = L.H - 1 - ii, L.W - 1 - jj
-    base = L.tau * span
-    offsets = torch.stack([base + ii + jj, base + ii + rj, base + ri + jj, base + ri + rj])  # (4, B, S)
-    return DesignOut(offsets, (L.T * span).unsqueeze(0), (True,) * 4, False)
+    base = L.tau * L.rows_to_tokens(span)
+    offsets = (base + ii + jj, base + ii + rj, base + ri + jj, base + ri + rj)  # 4 x (B, S)
+    return DesignOut(offsets, (T * span).unsqueeze(0), (True,) * 4, False)
 
 
 def _v2pe(L: TokenLayout, o: dict) -> DesignOut:
@@ -197,35 +207,33 @@ def _v2pe(L: TokenLayout, o: dict) -> DesignOut:
         stride = _per_row_choice(o["strides"], L, o["generator"])
     else:
         raise ValueError(f"{who}: mode must be 'fix', 'rnd' or 'default', got {mode!r}")
-    n = (L.T * L.H * L.W)  # (B, S) tokens of the block
-    s_tok = stride[L.row]  # (B, S)
-    delta = s_tok / tile
-    offsets = delta * (L.index + 1).double() - 1.0  # (B, S): s - 1 + delta * m, m = 1..N
+    T, H, W = _unit(L)
+    n = T * H * W  # (R,) tokens of the block
+    delta = stride / tile  # (R,)
+    offsets = L.rows_to_tokens(delta) * (L.index + 1).double() - 1.0  # (B, S): s - 1 + delta * m, m = 1..N
     # span ceil(delta * N), exactly: ceil(stride * N / tile) in integers whenever the strides are integers
     used = {"default": [tile], "fix": [o["stride"]], "rnd": list(o["strides"])}[mode]
     if _integral(tile) and all(_integral(v) for v in used):
-        adv = ((s_tok.round().long() * n + int(tile) - 1) // int(tile)).double()
+        adv = ((stride.round().long() * n + int(tile) - 1) // int(tile)).double()
     else:
         adv = torch.ceil(delta * n.double())
     return DesignOut(offsets.unsqueeze(0), adv.unsqueeze(0), (True,), True)
 
 
 def _pype(L: TokenLayout, o: dict) -> DesignOut:
-    depth = int(o["depth"])
-    interval = int(o["interval"])
-    if depth < 1 or depth != o["depth"]:
-        raise ValueError(f"pype design: depth (number of decoder layers) must be a positive integer, got {o['depth']!r}")
-    if interval < 1 or interval != o["interval"]:
-        raise ValueError(f"pype design: interval (layers per descent step) must be a positive integer, got "
-                         f"{o['interval']!r}")
-    layer = torch.arange(depth, device=L.device).view(depth, 1, 1)  # (A, 1, 1)
-    half = (torch.minimum(L.H, L.W) // 2).unsqueeze(0)  # (1, B, S)
-    top = torch.minimum(layer // interval + 1, half)
-    M = half - top  # (A, B, S) largest ring index at layer l
-    ring = torch.minimum(torch.minimum(L.i, L.j), torch.minimum(L.H - 1 - L.i, L.W - 1 - L.j)).unsqueeze(0)
-    offsets = L.tau.unsqueeze(0) * (M + 1) + torch.minimum(ring, M)  # (A, B, S)
-    adv = L.T.unsqueeze(0) * (M + 1)
-    return DesignOut(offsets, adv, (True,) * depth, False)
+    depth, interval = o["depth"], o["interval"]
+    if not isinstance(depth, int) or depth < 1:
+        raise ValueError(f"pype design: depth (number of decoder layers) must be a positive integer, got {depth!r}")
+    if not isinstance(interval, int) or interval < 1:
+        raise ValueError(f"pype design: interval (layers per descent step) must be a positive integer, got {interval!r}")
+    T, H, W = _unit(L)
+    layer = torch.arange(depth, device=L.device).view(depth, 1)  # (A, 1)
+    half = torch.minimum(H, W) // 2  # (R,)
+    M = half - torch.minimum(layer // interval + 1, half)  # (A, R) largest ring index at layer l
+    ring = torch.minimum(torch.minimum(L.i, L.j), torch.minimum(L.H - 1 - L.i, L.W - 1 - L.j))  # (B, S)
+    M_tok = L.rows_to_tokens(M)  # (A, B, S)
+    offsets = L.tau * (M_tok + 1) + torch.minimum(ring, M_tok)  # (A, B, S)
+    return DesignOut(offsets, T * (M + 1), (True,) * depth, False)
 
 
 DESIGNS: dict[str, Design] = {
@@ -279,16 +287,29 @@ def assemble(
     if out.floating and not dtype.is_floating_point:
         raise ValueError(f"this position design produces fractional positions; dtype must be a float dtype, got {dtype}")
     work = torch.float64 if dtype.is_floating_point else torch.int64
-    text = (L.valid & ~L.vision).to(work).unsqueeze(0)  # (1, B, S)
-    adv = torch.where(L.last.unsqueeze(0), out.advance.to(work), torch.zeros((), dtype=work, device=L.device))
-    inc = text + adv  # (A', B, S)
-    running = inc.cumsum(-1) - inc  # exclusive: position when each token (or its unit) starts
-    A = out.offsets.shape[0]
     B, S = L.valid.shape
-    anchored = torch.tensor(out.anchored, dtype=work, device=L.device).view(A, 1, 1)
-    vis_pos = out.offsets.to(work) + running * anchored  # (A, B, S)
-    ids = torch.where(L.vision.unsqueeze(0), vis_pos, running.expand(A, B, S))
-    ids = ids.masked_fill(~L.valid.unsqueeze(0), pad_position)
-    next_pos = inc.sum(-1)  # (A', B)
-    deltas = (next_pos - L.valid_len.to(work).unsqueeze(0)).transpose(0, 1)  # (B, A')
+    N = B * S
+    adv = out.advance.to(work)  # (A', R)
+    A1 = adv.shape[0]
+    text = (L.valid ^ L.vision).to(work)  # (B, S) text tokens advance by one
+    if L.num_rows == 0:
+        inc = text.unsqueeze(0).expand(A1, B, S)
+    elif L.split_frames:
+        inc = torch.where(L.frame_last, L.rows_to_tokens(adv), text)  # (A', B, S)
+    else:
+        # each row advances once, at its last token: scatter R values instead of gathering N
+        slot = torch.zeros(A1, N + 1, dtype=work, device=L.device)
+        slot.scatter_(1, L.row_last.clamp(max=N).expand(A1, -1), adv)
+        inc = slot[:, :N].view(A1, B, S) + text
+    running = inc.cumsum(-1) - inc  # exclusive: position when each token (or its unit) starts
+    A = len(out.anchored)
+    ids = torch.empty(A, B, S, dtype=work, device=L.device)
+    for a in range(A):  # a handful of axes (PyPE: one per layer), never tokens or blocks
+        run = running[a if A1 > 1 else 0]
+        off = out.offsets[a].to(work)
+        torch.where(L.vision, off + run if out.anchored[a] else off, run, out=ids[a])
+    if L.padded:
+        ids.masked_fill_(~L.valid, pad_position)
+    next_pos = running[..., -1] + inc[..., -1]  # (A', B)
+    deltas = (next_pos - L.valid_len.to(work)).transpose(0, 1)  # (B, A')
     return ids.to(dtype), deltas.to(dtype)

@@ -4,15 +4,18 @@ Every position design in :mod:`vlpe.encodings.multimodal` starts from the same p
 batch, computed here without a Python loop over tokens or blocks and without reading tensor values on the
 host (only the optional validation reads one boolean):
 
-1. vision tokens are counted in order of appearance over the flattened ``(B, S)`` batch (padding excluded),
-   giving every vision token a global index ``g``;
-2. the grid rows (after spatial merging) hold ``T * H * W`` tokens each; ``searchsorted`` of ``g`` in the
-   cumulative row sizes gives the token's grid row and its offset inside that row;
-3. the offset decomposes into ``(tau, i, j)`` by integer division (raster order: frame, row, column).
+1. vision tokens are counted in order of appearance over the flattened ``(B, S)`` batch (padding excluded):
+   ``cnt = cumsum(vision)``;
+2. grid row ``r`` (``n_r = T * H * W`` tokens after spatial merging) starts at vision count ``c_r`` =
+   exclusive cumsum of ``n``; ``searchsorted(cnt, c_r + 1)`` is the flat index of its first token and
+   ``searchsorted(cnt, c_r + n_r)`` of its last one (``R`` queries, not one per token);
+3. a ``cumsum`` of row-start markers gives every token its row, and ``cnt - 1 - c_row`` its raster offset,
+   decomposed into ``(tau, i, j)`` by integer division.
 
-A position design then only needs, per token, the *start* of its unit (the running position when the unit
-begins, an exclusive ``cumsum`` of per-token increments done by the caller) plus the token's coordinates
-inside the unit. A *unit* is a whole grid row, or a single frame for per-frame designs (Qwen3-VL).
+A position design then only needs the *start* of each unit (the running position when it begins, an
+exclusive ``cumsum`` of per-token increments done by :func:`vlpe.encodings.multimodal.designs.assemble`)
+and the token's coordinates inside the unit. A *unit* is a grid row, or a single frame for per-frame
+designs (Qwen3-VL, whose frames are separated by timestamp text).
 """
 
 from __future__ import annotations
@@ -36,40 +39,40 @@ class Check:
 
 @dataclass
 class TokenLayout:
-    """Per-token block structure of a batch; all per-token tensors are ``(B, S)``.
+    """Per-token block structure of a batch; per-token tensors are ``(B, S)``, per-row tensors ``(R,)``.
 
     Attributes:
         valid: real (non-padding) tokens.
         vision: valid image/video tokens.
-        types: the token types (0 text, 1 image, 2 video) as int64.
-        row: the grid row (vision block) of each vision token (0 elsewhere).
-        tau, i, j: frame, row and column of each vision token inside its unit (``tau`` is 0 for per-frame units).
-        T, H, W: the merged grid of the token's unit (``T`` is 1 for per-frame units); 1 for text.
-        index: the token's raster index inside its unit, ``(tau * H + i) * W + j``.
-        last: True on the last token of each unit (where the running position advances).
+        row: the grid row (vision block) of each vision token (meaningless elsewhere).
+        tau, i, j: frame, row and column of each vision token inside its unit (``tau`` = 0 for per-frame units).
+        index: the token's raster index inside its unit.
         grid: ``(R, 3)`` merged grids ``(T, H // m, W // m)`` in order of appearance.
+        unit_grid: the grid of one unit: ``grid``, or ``(1, H, W)`` per frame for per-frame units.
         row_type: ``(R,)`` token type (1 image / 2 video) of each grid row.
+        row_last: ``(R,)`` flat index (into ``B * S``) of each row's last token (``B * S`` if absent).
+        frame_last: per-frame units only: True on the last token of every frame.
         valid_len: ``(B,)`` number of real tokens per sample.
+        padded: an attention mask was given.
         checks: deferred validity checks (evaluated with one host read by :meth:`validate`).
     """
 
     valid: Tensor
     vision: Tensor
-    types: Tensor
     row: Tensor
     tau: Tensor
     i: Tensor
     j: Tensor
-    T: Tensor
-    H: Tensor
-    W: Tensor
     index: Tensor
-    last: Tensor
     grid: Tensor
+    unit_grid: Tensor
     row_type: Tensor
+    row_last: Tensor
+    frame_last: Tensor | None
     valid_len: Tensor
-    split_frames: bool
+    padded: bool
     checks: list[Check] = field(default_factory=list)
+    _per_token: dict[str, Tensor] = field(default_factory=dict)
 
     @property
     def num_rows(self) -> int:
@@ -77,7 +80,41 @@ class TokenLayout:
 
     @property
     def device(self) -> torch.device:
-        return self.types.device
+        return self.valid.device
+
+    @property
+    def split_frames(self) -> bool:
+        return self.frame_last is not None
+
+    def per_token(self, name: str) -> Tensor:
+        """The unit grid's ``"T"``, ``"H"`` or ``"W"`` gathered to every token ``(B, S)`` (cached)."""
+        if name not in self._per_token:
+            col = {"T": 0, "H": 1, "W": 2}[name]
+            self._per_token[name] = self.rows_to_tokens(self.unit_grid[:, col])
+        return self._per_token[name]
+
+    @property
+    def T(self) -> Tensor:
+        return self.per_token("T")
+
+    @property
+    def H(self) -> Tensor:
+        return self.per_token("H")
+
+    @property
+    def W(self) -> Tensor:
+        return self.per_token("W")
+
+    def rows_to_tokens(self, values: Tensor) -> Tensor:
+        """Per-row values ``(..., R)`` gathered to tokens ``(..., B, S)`` (zeros for a batch without rows)."""
+        if self.num_rows == 0:
+            return torch.zeros(*values.shape[:-1], *self.row.shape, dtype=values.dtype, device=self.device)
+        flat = self.row.reshape(-1)
+        if values.dim() == 1:
+            return values.index_select(0, flat).view(self.row.shape)  # 1-D index_select: the fast gather
+        lead = values.shape[:-1]
+        out = values.reshape(-1, values.shape[-1]).T.contiguous().index_select(0, flat)  # (N, prod(lead))
+        return out.T.reshape(*lead, *self.row.shape)
 
     def validate(self) -> None:
         """Raise ``ValueError`` for the first failing check; a single host read when every check passes."""
@@ -130,16 +167,18 @@ def token_layout(
     types = torch.as_tensor(mm_token_type_ids)
     if types.dim() != 2:
         raise ValueError(f"mm_token_type_ids must have shape (B, S), got {tuple(types.shape)}")
-    if types.is_floating_point():
+    if types.is_floating_point() or types.dtype == torch.bool:
         raise ValueError(f"mm_token_type_ids must hold integers 0 (text), 1 (image), 2 (video), got {types.dtype}")
-    types = types.to(torch.int64)
     device = types.device
     B, S = types.shape
+    N = B * S
     m = int(spatial_merge_size)
     if m < 1 or m != spatial_merge_size:
         raise ValueError(f"spatial_merge_size must be a positive integer, got {spatial_merge_size!r}")
     if attention_mask is None:
         valid = torch.ones(B, S, dtype=torch.bool, device=device)
+        vision = types != 0  # (B, S)
+        valid_len = torch.full((B,), S, dtype=torch.int64, device=device)
     else:
         valid = torch.as_tensor(attention_mask, device=device)
         if valid.shape != (B, S):
@@ -147,18 +186,18 @@ def token_layout(
                 f"attention_mask must have the shape of mm_token_type_ids {(B, S)}, got {tuple(valid.shape)}"
             )
         valid = valid.bool()
+        vision = (types != 0) & valid
+        valid_len = valid.sum(-1)
     grid = _as_grid(grid_thw, device)
     R = grid.shape[0]
-    vision = (types != 0) & valid  # (B, S)
-    valid_len = valid.sum(-1)  # (B,)
+    lo_hi = torch.stack(torch.aminmax(types)) if N else torch.zeros(2, dtype=types.dtype, device=device)
     checks: list[Check] = [
         Check(
-            ((types < 0) | (types > 2)).any(),
+            (lo_hi[0] < 0) | (lo_hi[1] > 2),
             lambda: "mm_token_type_ids must be 0 (text), 1 (image) or 2 (video); got values "
             f"{sorted(set(types.unique().tolist()) - {0, 1, 2})}",
         )
     ]
-    ones = torch.ones(B, S, dtype=torch.int64, device=device)
     zeros = torch.zeros(B, S, dtype=torch.int64, device=device)
     if R == 0:
         n_vis = vision.sum()
@@ -169,11 +208,12 @@ def token_layout(
                 "pass one (T, H, W) row per vision block in order of appearance",
             )
         )
-        no = torch.zeros(B, S, dtype=torch.bool, device=device)
+        empty = torch.zeros(0, dtype=torch.int64, device=device)
         return TokenLayout(
-            valid=valid, vision=vision, types=types, row=zeros, tau=zeros, i=zeros, j=zeros, T=ones, H=ones,
-            W=ones, index=zeros, last=no, grid=grid, row_type=torch.zeros(0, dtype=torch.int64, device=device),
-            valid_len=valid_len, split_frames=split_frames, checks=checks,
+            valid=valid, vision=vision, row=zeros, tau=zeros, i=zeros, j=zeros, index=zeros, grid=grid,
+            unit_grid=grid, row_type=empty, row_last=empty,
+            frame_last=torch.zeros(B, S, dtype=torch.bool, device=device) if split_frames else None,
+            valid_len=valid_len, padded=attention_mask is not None, checks=checks,
         )
 
     gt, gh, gw = grid.unbind(-1)  # (R,) each, in patches
@@ -186,60 +226,75 @@ def token_layout(
             f"(index: T, H, W): {[(r, tuple(grid[r].tolist())) for r in bad_grid.nonzero().flatten().tolist()]}",
         )
     )
+    Hc, Wc = Hm.clamp(min=1), Wm.clamp(min=1)  # safe divisors (bad rows are reported above)
     n_row = Tm * Hm * Wm  # (R,) tokens per block
-    cum = n_row.cumsum(0)  # (R,)
+    end_cnt = n_row.cumsum(0)  # (R,) vision count after each row
+    start_cnt = end_cnt - n_row
+
     flat_vis = vision.reshape(-1)
-    g = flat_vis.to(torch.int64).cumsum(0) - 1  # (B*S,) global vision index
-    n_vis = g[-1] + 1 if g.numel() else torch.zeros((), dtype=torch.int64, device=device)
+    cnt = flat_vis.to(torch.int64).cumsum(0)  # (N,) inclusive vision count
+    n_vis = cnt[-1]
     checks.append(
         Check(
-            n_vis != cum[-1],
-            lambda: f"the token types hold {int(n_vis)} image/video tokens but grid_thw describes {int(cum[-1])} "
+            n_vis != end_cnt[-1],
+            lambda: f"the token types hold {int(n_vis)} image/video tokens but grid_thw describes {int(end_cnt[-1])} "
             f"(sum of T * (H/{m}) * (W/{m}) over its {R} rows); pass exactly one row per vision block, "
             "in order of appearance over the batch",
         )
     )
-    row = torch.searchsorted(cum, g, right=True).clamp_(max=R - 1).reshape(B, S)  # (B, S)
-    T_tok, H_tok, W_tok = Tm[row], Hm[row].clamp(min=1), Wm[row].clamp(min=1)  # (B, S)
-    off = g.reshape(B, S) - (cum[row] - n_row[row])  # (B, S) offset inside the row
-    hw = H_tok * W_tok
-    tau = off // hw
-    rem = off - tau * hw
-    i = rem // W_tok
-    j = rem - i * W_tok
+    row_first = torch.searchsorted(cnt, start_cnt + 1)  # (R,) flat index of each row's first token (N if absent)
+    row_last = torch.searchsorted(cnt, end_cnt)  # (R,) flat index of each row's last token
+    marker = torch.zeros(N + 1, dtype=torch.int64, device=device)
+    marker.index_add_(0, row_first.clamp(max=N), torch.ones_like(row_first))
+    row = (marker[:N].cumsum(0) - 1).clamp_(0, R - 1)  # (N,) row of each vision token
 
-    vis_types = torch.where(vision, types, zeros)
-    prev = torch.cat([zeros[:, :1], vis_types[:, :-1]], dim=1)  # (B, S)
-    run_start = vision & (prev != vis_types)  # first token of a run of same-type vision tokens
-    row_start = off == 0
+    hw_tok, w_tok = (Hc * Wc).index_select(0, row), Wc.index_select(0, row)  # (N,) per-token row data
+    off = cnt - 1 - start_cnt.index_select(0, row)  # (N,) raster offset inside the row
+    tau = off // hw_tok
+    rem = off - tau * hw_tok
+    i = rem // w_tok
+    j = rem - i * w_tok
+
+    vt = torch.where(flat_vis, types.reshape(-1).to(torch.int64), 0)  # (N,) type of vision tokens, 0 elsewhere
+    fi, la = row_first.clamp(max=N - 1), row_last.clamp(max=N - 1)
+    row_type = vt[fi]  # (R,)
     if split_frames:
-        frame_start = rem == 0
-        misaligned = vision & ((run_start & ~frame_start) | (row_start & ~run_start))
-        what = "every vision block (and every run of vision tokens) must start at a frame of its grid"
+        # frames of a row may be separated by text: check per token that runs start at frame starts
+        prev = torch.cat([vt.new_zeros(1), vt[:-1]])
+        prev = prev.masked_fill(torch.arange(N, device=device) % S == 0, 0)  # no run continues across samples
+        run_start = flat_vis & (prev != vt)
+        misaligned = (flat_vis & ((run_start & (rem != 0)) | ((off == 0) & ~run_start))).any()
+        misaligned = misaligned | (fi // S != la // S).any() | (vt[la] != row_type).any()
+        what = "every run of vision tokens must start at a frame of its grid row, and a row may not span samples"
     else:
-        misaligned = vision & (run_start != row_start)
+        # per row: one contiguous run of a single token type, starting and ending a run, inside one sample
+        typesum = vt.cumsum(0)
+        contiguous = row_last - row_first + 1 == n_row
+        uniform = typesum[la] - typesum[fi] + row_type == row_type * n_row
+        at_start = (fi % S == 0) | (vt[(fi - 1).clamp(min=0)] != row_type)
+        at_end = (la % S == S - 1) | (vt[(la + 1).clamp(max=N - 1)] != row_type)
+        misaligned = ~(contiguous & uniform & at_start & at_end & (fi // S == la // S)).all()
         what = "every vision block must be one run of consecutive image/video tokens matching its grid row"
     checks.append(
         Check(
-            misaligned.any(),
+            misaligned,
             lambda: f"the vision blocks in mm_token_type_ids do not match grid_thw: {what} (rows are taken in "
             "order of appearance; blocks may not span samples, and two blocks need a text token between them)",
         )
     )
-    # type of every row: scatter the type of its first token (non-first tokens go to a dump slot R)
-    dump = torch.where(vision & row_start, row, torch.full_like(row, R)).reshape(-1)
-    row_type = torch.zeros(R + 1, dtype=torch.int64, device=device).scatter_(0, dump, vis_types.reshape(-1))[:R]
-
+    shape = (B, S)
     if split_frames:
-        last = vision & (rem == hw - 1)
+        frame_last = (flat_vis & (rem == hw_tok - 1)).reshape(shape)
+        unit_grid = torch.stack([torch.ones_like(Tm), Hm, Wm], -1)
         return TokenLayout(
-            valid=valid, vision=vision, types=types, row=row, tau=zeros, i=i, j=j, T=ones, H=H_tok, W=W_tok,
-            index=rem, last=last, grid=torch.stack([Tm, Hm, Wm], -1), row_type=row_type, valid_len=valid_len,
-            split_frames=True, checks=checks,
+            valid=valid, vision=vision, row=row.reshape(shape), tau=zeros, i=i.reshape(shape), j=j.reshape(shape),
+            index=rem.reshape(shape), grid=torch.stack([Tm, Hm, Wm], -1), unit_grid=unit_grid, row_type=row_type,
+            row_last=row_last, frame_last=frame_last, valid_len=valid_len, padded=attention_mask is not None,
+            checks=checks,
         )
-    last = vision & (off == n_row[row] - 1)
+    g = torch.stack([Tm, Hm, Wm], -1)
     return TokenLayout(
-        valid=valid, vision=vision, types=types, row=row, tau=tau, i=i, j=j, T=T_tok, H=H_tok, W=W_tok,
-        index=off, last=last, grid=torch.stack([Tm, Hm, Wm], -1), row_type=row_type, valid_len=valid_len,
-        split_frames=False, checks=checks,
+        valid=valid, vision=vision, row=row.reshape(shape), tau=tau.reshape(shape), i=i.reshape(shape),
+        j=j.reshape(shape), index=off.reshape(shape), grid=g, unit_grid=g, row_type=row_type, row_last=row_last,
+        frame_last=None, valid_len=valid_len, padded=attention_mask is not None, checks=checks,
     )

@@ -291,7 +291,7 @@ def rotary(
     else:
         if layer is not None:
             raise ValueError(f"layer= is only for the layer-dependent PyPE design, not {v.label}")
-        need = axes_of(alloc, sec, ids.shape[0])
+        need = axes_of(alloc, sec, v.num_axes())
         A = ids.shape[0]
         if need is not None and A != need:
             if A != 1:
@@ -347,11 +347,14 @@ def merge_grids(
     Returns ``grid_thw (R, 3)`` for :func:`position_ids` and the ``(R,)`` token type (1 image, 2 video) of
     each row. Vectorised: each row's first token is located by counting the tokens of its modality.
     """
-    types = torch.as_tensor(mm_token_type_ids).to(torch.int64)
+    types = torch.as_tensor(mm_token_type_ids)
+    if types.dim() != 2:
+        raise ValueError(f"mm_token_type_ids must have shape (B, S), got {tuple(types.shape)}")
     device = types.device
-    B, S = types.shape
-    valid = torch.ones_like(types, dtype=torch.bool) if attention_mask is None else attention_mask.to(device).bool()
-    flat_pos = torch.arange(B * S, device=device)
+    m = int(spatial_merge_size)
+    flat = types.reshape(-1)
+    if attention_mask is not None:
+        flat = torch.where(torch.as_tensor(attention_mask, device=device).reshape(-1).bool(), flat, 0)
     grids, kinds, firsts = [], [], []
     for kind, g in ((1, image_grid_thw), (2, video_grid_thw)):  # two modalities, not tokens
         if g is None:
@@ -360,18 +363,12 @@ def merge_grids(
         R = g.shape[0]
         if R == 0:
             continue
-        n = g[:, 0] * (g[:, 1] // spatial_merge_size) * (g[:, 2] // spatial_merge_size)  # (R,)
-        cum = n.cumsum(0)
-        mine = ((types == kind) & valid).reshape(-1)
-        idx = mine.to(torch.int64).cumsum(0) - 1  # (B*S,)
-        row = torch.searchsorted(cum, idx, right=True).clamp_(max=R - 1)
-        first = mine & (idx == cum[row] - n[row])
-        slot = torch.where(first, row, torch.full_like(row, R))
-        pos = torch.full((R + 1,), B * S, dtype=torch.int64, device=device)
-        pos = pos.scatter_(0, slot, flat_pos)[:R] + torch.arange(R, device=device)  # missing rows sort last
+        n = g[:, 0] * (g[:, 1] // m) * (g[:, 2] // m)  # (R,) tokens per row
+        cnt = (flat == kind).to(torch.int64).cumsum(0)  # (B*S,) tokens of this modality so far
+        first = torch.searchsorted(cnt, n.cumsum(0) - n + 1)  # (R,) flat index of each row's first token
         grids.append(g)
         kinds.append(torch.full((R,), kind, dtype=torch.int64, device=device))
-        firsts.append(pos)
+        firsts.append(first)
     if not grids:
         return torch.zeros(0, 3, dtype=torch.int64, device=device), torch.zeros(0, dtype=torch.int64, device=device)
     order = torch.cat(firsts).argsort(stable=True)
