@@ -530,6 +530,20 @@ def test_precomputed_position_ids_and_get_rope_index():
         torch.testing.assert_close(deltas, want_deltas)
 
 
+@pytest.mark.parametrize("variant", ["pype", "vrope", "mrope_i"])
+def test_text_model_called_without_position_ids(variant):
+    """The decoder's own default positions (text only) reach the vlpe rotary as 1D positions."""
+    model = model_for("qwen2_vl")
+    ids = torch.arange(10, 22)[None]
+    types = torch.zeros_like(ids)
+    with patched(model, variant):
+        embeds = model.model.get_input_embeddings()(ids)
+        pos, _ = vhf.position_ids(model, types)
+        want = _text_hidden(model, embeds, pos)
+        torch.testing.assert_close(_text_hidden(model, embeds, None), want, atol=0, rtol=0)
+        torch.testing.assert_close(_text_hidden(model, embeds, torch.arange(12)[None]), want, atol=0, rtol=0)
+
+
 def test_base_model_can_be_patched():
     """Patching the base ``*Model`` alone gives the hidden states the patched generation model computes."""
     family = "qwen2_5_vl"

@@ -3,11 +3,11 @@
 Works on transformers 5.x through its public hooks, on ``Qwen2VLForConditionalGeneration``,
 ``Qwen2_5_VLForConditionalGeneration``, ``Qwen3VLForConditionalGeneration`` and their base ``*Model``::
 
-    from transformers import AutoProcessor, Qwen2VLForConditionalGeneration
+    from transformers import Qwen2VLForConditionalGeneration
     from vlpe.integrations import transformers as vlpe_hf
     model = Qwen2VLForConditionalGeneration.from_pretrained("Qwen/Qwen2-VL-2B-Instruct")
-    vlpe_hf.apply(model, "mrope_i")                     # ids, rotary and generation now follow MRoPE-I
-    out = model.generate(**inputs, max_new_tokens=32)  # inputs: the processor's output, as usual
+    vlpe_hf.apply(model, "mrope_i")                     # position ids, rotary and generation follow MRoPE-I
+    out = model.generate(**inputs, max_new_tokens=32)  # inputs from the model's processor, as usual
 
 ``vlpe_hf.remove(model)`` restores the stock model. ``variant`` is any name of
 :data:`vlpe.encodings.multimodal.VARIANTS` or a :class:`vlpe.encodings.multimodal.Variant` (any position design
@@ -170,7 +170,9 @@ def _install_rotation(module_name: str) -> None:
 
 
 def _uninstall_rotation(module_name: str) -> None:
-    entry = _ROTATION_WRAPPERS[module_name]
+    entry = _ROTATION_WRAPPERS.get(module_name)
+    if entry is None:  # already restored (e.g. a deep copy of a patched model removed twice)
+        return
     entry[1] -= 1
     if entry[1] == 0:
         sys.modules[module_name].apply_rotary_pos_emb = entry[0]
@@ -266,16 +268,17 @@ class Patch:
     def unpack(self, position_ids: Tensor, batch: int) -> tuple[Tensor, Tensor | None]:
         """``(ids (A, B, S), valid (B, S) or None)`` from whatever reaches the rotary module."""
         p = position_ids
+        if p.dim() == 2 or (p.dim() == 3 and p.shape[0] > 1 and p.stride(0) == 0):
+            # plain 1D positions, or the decoder's default / 2D input expanded over its axes: text only
+            text = (p if p.dim() == 2 else p[0]).expand(batch, -1)
+            deltas = torch.zeros(batch, 1, dtype=text.dtype, device=text.device)
+            ids = mm.decode_position_ids(self.variant, deltas, text, **self._decode_options())
+            return ids, (torch.ones_like(text, dtype=torch.bool) if self.masked else None)
         if p.dim() == 3 and p.shape[0] in (self.rows + 1, self.rows):
             p = p[-self.rows :]  # drop the text row unless the decoder already did
             if self.masked:
                 return p[:-1], p[-1] != 0
             return p, None
-        if p.dim() == 2 or (p.dim() == 3 and p.shape[0] == 3):  # plain 1D positions: text only
-            text = (p if p.dim() == 2 else p[0]).expand(batch, -1)
-            deltas = torch.zeros(batch, 1, dtype=text.dtype, device=text.device)
-            ids = mm.decode_position_ids(self.variant, deltas, text, **self._decode_options())
-            return ids, (torch.ones_like(text, dtype=torch.bool) if self.masked else None)
         raise ValueError(
             f"position_ids of shape {tuple(p.shape)} do not fit variant {self.label!r}: expected "
             f"({self.rows + 1}, B, S) from vlpe.integrations.transformers.position_ids, or (B, S) 1D positions"
