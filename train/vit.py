@@ -104,8 +104,10 @@ def build_datasets(data: DataSection, *, size: int | None = None) -> tuple[Datas
     elif data.dataset == "shapes":
         from data.shapes import Shapes
 
-        train = Shapes(num_samples=data.shapes_train, size=size, seed=0, channels=data.channels)
-        val = Shapes(num_samples=data.shapes_val, size=size, seed=1, channels=data.channels)
+        if data.channels != 3:
+            raise ConfigError(f"data.dataset=shapes renders RGB images: set data.channels=3 (got {data.channels})")
+        train = Shapes(num_samples=data.shapes_train, resolution=size, split="train")
+        val = Shapes(num_samples=data.shapes_val, resolution=size, split="val")
     else:
         if data.root is None:
             raise ConfigError("data.dataset=folder needs data.root (a folder with train/ and val/ class folders)")
