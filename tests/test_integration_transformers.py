@@ -53,14 +53,16 @@ def _build(family: str):
     torch.manual_seed(0)
     if family == "qwen2_vl":  # head_dim 16: K = 8 pairs, chunked [2, 3, 3] (the default split at K = 8)
         cfg = Qwen2VLConfig(
-            text_config=dict(TEXT, rope_parameters={"rope_type": "default", "mrope_section": [2, 3, 3], "rope_theta": 1e4}),
+            text_config=dict(TEXT, rope_parameters={"rope_type": "default", "mrope_section": [2, 3, 3],
+                                                    "rope_theta": 1e4}),
             vision_config=dict(VISION, depth=1, embed_dim=32, hidden_size=128, num_heads=2),
             **SPECIAL,
         )
         return Qwen2VLForConditionalGeneration(cfg).eval()
     if family == "qwen2_5_vl":  # a chunked split other than the default one: the native presets must read it
         cfg = Qwen2_5_VLConfig(
-            text_config=dict(TEXT, rope_parameters={"rope_type": "default", "mrope_section": [4, 2, 2], "rope_theta": 1e4}),
+            text_config=dict(TEXT, rope_parameters={"rope_type": "default", "mrope_section": [4, 2, 2],
+                                                    "rope_theta": 1e4}),
             vision_config=dict(VISION, depth=1, hidden_size=32, intermediate_size=32, num_heads=2, out_hidden_size=128,
                                window_size=56, fullatt_block_indexes=[0], tokens_per_second=2),
             **SPECIAL,
@@ -100,7 +102,7 @@ def _pixels(n_patches: int, seed: int) -> torch.Tensor:
     return torch.randn(n_patches, 3 * 2 * 14 * 14, generator=g)
 
 
-def make_prompt(family, kind, *, pre=3, post=2, grid=(1, 4, 6), vgrid=(3, 4, 4), close=True, seed=0):
+def make_prompt(family, kind, *, pre=3, post=2, grid=(1, 4, 6), vgrid=(3, 4, 4), close=True, seed=0, seconds=1.0):
     """``(input_ids, mm_token_type_ids, model kwargs)`` of one prompt: text, a vision block, text."""
     toks = list(range(10, 10 + pre))
     kw = {}
@@ -120,7 +122,7 @@ def make_prompt(family, kind, *, pre=3, post=2, grid=(1, 4, 6), vgrid=(3, 4, 4),
         kw["video_grid_thw"] = torch.tensor([vgrid])
         kw["pixel_values_videos"] = _pixels(T * H * W, seed + 1)
         if family == "qwen2_5_vl":
-            kw["second_per_grid_ts"] = torch.tensor([1.0])
+            kw["second_per_grid_ts"] = torch.tensor([seconds])  # temporal_patch_size / fps
     toks += list(range(20, 20 + post))
     ids = torch.tensor([toks])
     types = ((ids == IMG).long() + 2 * (ids == VID).long()).int()
@@ -140,7 +142,8 @@ def generate_and_teacher_force(model, ids, types, kw, *, n=4, attention_mask=Non
     rep = B2 // ids.shape[0]
     full_types = torch.cat([types.repeat_interleave(rep, 0), types.new_zeros(B2, n)], dim=1)
     if attention_mask is not None:
-        extra = {"attention_mask": torch.cat([attention_mask.repeat_interleave(rep, 0), attention_mask.new_ones(B2, n)], 1)}
+        full_mask = torch.cat([attention_mask.repeat_interleave(rep, 0), attention_mask.new_ones(B2, n)], 1)
+        extra = {"attention_mask": full_mask}
     kw_full = dict(kw)
     if rep > 1:  # every returned sequence carries its prompt's vision inputs
         kw_full = _repeat_vision(kw, rep)
@@ -324,10 +327,10 @@ def test_native_variants_follow_the_released_video_semantics(family, variant):
     """On videos transformers 5.x advances text by max(h, w) only; the vlpe presets follow the released code:
     the patched model equals the stock model fed reference ids, and differs from the stock 5.x model."""
     model = model_for(family)
-    ids, types, kw = make_prompt(family, "video")
+    ids, types, kw = make_prompt(family, "video", seconds=0.75)  # Qwen2.5-VL: t = floor(1.5 tau) = 0, 1, 3
     tps = model.config.vision_config.tokens_per_second if family == "qwen2_5_vl" else None
     ref = _released_rope_index(types[0], kw["video_grid_thw"].tolist(), MERGE,
-                               seconds=1.0 if tps else None, tokens_per_second=tps)
+                               seconds=0.75 if tps else None, tokens_per_second=tps)
     expected = logits(model, ids, types, kw, position_ids=ref)
     stock = logits(model, ids, types, kw)
     with patched(model, variant):

@@ -390,12 +390,16 @@ class Patch:
             )
         deltas = self.base.rope_deltas
         if deltas is None:
-            raise ValueError("a cache is present but no rope_deltas were computed: run the prompt through the model first")
+            raise ValueError(
+                "a cache is present but no rope_deltas were computed: run the prompt through the model first"
+            )
         deltas = deltas.to(device)
         deltas = deltas.repeat_interleave(B // deltas.shape[0], dim=0)
         cache_position = torch.arange(cached, cached + S, device=device)
         if mask is not None:  # real-token index from the mask of the whole sequence
-            ids = mm.decode_position_ids(self.variant, deltas, cache_position, attention_mask=mask, **self._decode_options())
+            ids = mm.decode_position_ids(
+                self.variant, deltas, cache_position, attention_mask=mask, **self._decode_options()
+            )
             text_pos = (mask.long().cumsum(-1) - 1)[:, -S:]
         else:  # from the prompt's padding: every token after the prompt is real
             pads = self._pads
@@ -646,7 +650,8 @@ def apply(model: nn.Module, variant: str | mm.Variant, **options: Any) -> nn.Mod
     _set_instance_attr(base, "compute_3d_position_ids", patch.compute_3d_position_ids, undo)
     _set_instance_attr(base, "get_rope_index", patch.get_rope_index, undo)
     if model is not base and hasattr(type(model), "_prepare_position_ids_for_generation"):
-        _set_instance_attr(model, "_prepare_position_ids_for_generation", patch.prepare_position_ids_for_generation, undo)
+        prepare = patch.prepare_position_ids_for_generation
+        _set_instance_attr(model, "_prepare_position_ids_for_generation", prepare, undo)
     base.rope_deltas = None
 
     # 3. per-head rotation
@@ -695,4 +700,6 @@ def position_ids(
     patch = patch_of(model)
     if patch is None:
         raise ValueError("position_ids needs a model patched with vlpe.integrations.transformers.apply")
-    return patch.prompt_position_ids(mm_token_type_ids, image_grid_thw, video_grid_thw, attention_mask, second_per_grid_ts)
+    return patch.prompt_position_ids(
+        mm_token_type_ids, image_grid_thw, video_grid_thw, attention_mask, second_per_grid_ts
+    )
