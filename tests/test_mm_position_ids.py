@@ -391,3 +391,32 @@ def test_validate_false_skips_checks_only():
     a = mm.position_ids("mrope", types, grid, attention_mask=mask)
     b = mm.position_ids("mrope", types, grid, attention_mask=mask, validate=False)
     assert all(torch.equal(x, y) for x, y in zip(a, b))
+
+
+@pytest.mark.parametrize("variant", ALL)
+def test_no_host_reads_without_validation(variant):
+    """On the meta device every host read (.item(), .tolist(), bool()) raises: the builders make none."""
+    types, mask, grid = video_batch()
+    opts = {"depth": 3} if variant == "pype" else {}
+    meta = {k: v.to("meta") for k, v in dict(types=types, mask=mask, grid=grid).items()}
+    if variant == "qwen3vl":
+        types2, mask2, grid2 = batch([tokens(2, ("frames", (2, 4, 4), 2), 1)])
+        meta = {k: v.to("meta") for k, v in dict(types=types2, mask=mask2, grid=grid2).items()}
+    ids, deltas = mm.position_ids(variant, meta["types"], meta["grid"], attention_mask=meta["mask"], validate=False,
+                                  **opts)
+    assert ids.device.type == "meta" and ids.shape[1:] == meta["types"].shape
+    full = torch.ones(meta["mask"].shape[0], meta["mask"].shape[1] + 1, device="meta")
+    step = mm.decode_position_ids(variant, deltas, torch.tensor([meta["mask"].shape[1]], device="meta"),
+                                  attention_mask=full)
+    assert step.shape == (ids.shape[0], ids.shape[1], 1)
+    grid, _ = mm.merge_grids(meta["types"], meta["grid"], None, attention_mask=meta["mask"])
+    assert grid.device.type == "meta"
+
+
+@pytest.mark.parametrize("pad", ["left", "right"])
+def test_padding_side_and_input_dtypes(pad):
+    samples = [tokens(2, ("img", (1, 4, 6)), 1, ("vid", (2, 4, 4)), 2), tokens(1, ("img", (1, 6, 2)), 3)]
+    types, mask, grid = batch(samples, pad=pad)
+    ids, deltas = mm.position_ids("mrope", types.int(), grid.int(), attention_mask=mask.bool())
+    ref_ids, ref_deltas = released_mrope_loop(types, mask, grid)
+    assert torch.equal(ids, ref_ids) and torch.equal(deltas, ref_deltas)

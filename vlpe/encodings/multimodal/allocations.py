@@ -103,10 +103,15 @@ def allocation_map(
             temporal count for the last two) or KV heads per axis (``multi_head``); None for the default.
         num_kv_heads: key/value heads (``multi_head`` only).
     """
+    amap = _allocation_map(allocation, int(num_pairs), num_axes, section, num_kv_heads)  # built on the host
+    return amap if device is None else amap.to(device)  # a copy to the device, never a read back
+
+
+def _allocation_map(allocation, K, num_axes, section, num_kv_heads) -> Tensor:
     _check_name(allocation)
-    K = int(num_pairs)
+    device = None
     if K < 1:
-        raise ValueError(f"rotary allocations need at least one rotation pair, got num_pairs={num_pairs}")
+        raise ValueError(f"rotary allocations need at least one rotation pair, got num_pairs={K}")
     k = torch.arange(K, device=device)
     if allocation == "none":
         if section is not None:
