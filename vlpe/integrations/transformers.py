@@ -452,12 +452,11 @@ class Patch:
         if "input_ids" in model_kwargs and model_kwargs["input_ids"].shape[1] > 0:
             inputs_tensor = model_kwargs["input_ids"]
         mask = model_kwargs.get("attention_mask")
+        mask = mask if isinstance(mask, Tensor) and mask.dim() == 2 else None
         pos, deltas = self.prompt_position_ids(
-            types, model_kwargs.get("image_grid_thw"), model_kwargs.get("video_grid_thw"),
-            mask if mask is not None and mask.dim() == 2 else None, model_kwargs.get("second_per_grid_ts"),
-            shape=tuple(inputs_tensor.shape[:2]), device=inputs_tensor.device,
+            types, model_kwargs.get("image_grid_thw"), model_kwargs.get("video_grid_thw"), mask,
+            model_kwargs.get("second_per_grid_ts"), shape=tuple(inputs_tensor.shape[:2]), device=inputs_tensor.device,
         )
-        mask = mask if mask is not None and mask.dim() == 2 else None
         self._pending = (types.clone(), pos, deltas, _pads(mask, *types.shape, types.device))
         self.base.rope_deltas = deltas
         return None
@@ -572,6 +571,9 @@ def apply(model: nn.Module, variant: str | mm.Variant, **options: Any) -> nn.Mod
         **options: the design's options (see :data:`vlpe.encodings.multimodal.DESIGNS`); ``section``,
             ``allocation`` and ``theta`` go to the rotary tables (``theta`` defaults to the model's
             ``rope_theta``, PyPE's ``depth`` to the number of decoder layers).
+
+    Patch the ``*ForConditionalGeneration`` model to use ``generate()``: patching only its base ``*Model``
+    changes forward passes but leaves generation's own position bookkeeping in place.
 
     Returns the same model. Applying to a patched model replaces the previous patch. Raises ValueError for an
     unsupported model, an unknown variant or option, rope scaling that changes with the sequence length, or a
