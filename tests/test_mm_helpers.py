@@ -1,4 +1,7 @@
-"""Shared helpers of the multimodal RoPE tests (no tests here): token sequences, tiny real transformers models, reference loops."""
+"""Shared helpers of the multimodal RoPE tests (no tests here).
+
+Token sequences, tiny randomly initialised transformers models, and a loop of the released semantics.
+"""
 
 from __future__ import annotations
 

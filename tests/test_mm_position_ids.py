@@ -333,7 +333,9 @@ def test_decode_matches_full_sequence(variant):
     assert torch.equal(ids_p, ids_full[..., :S])
     # incremental: one token at a time, the attention mask growing with the generated tokens
     for n in range(gen):
-        step = mm.decode_position_ids(variant, deltas, torch.tensor([S + n]), attention_mask=mask[:, : S + n + 1], **opts)
+        step = mm.decode_position_ids(
+            variant, deltas, torch.tensor([S + n]), attention_mask=mask[:, : S + n + 1], **opts
+        )
         assert torch.equal(step, ids_full[..., S + n : S + n + 1]), n
     # all at once without padding: the cache position is the real-token index
     one = [(prompt[1][0] + [0] * gen, prompt[1][1])]

@@ -17,7 +17,10 @@ OPTS = {"pype": {"depth": 3, "interval": 1}}
 
 def mm_batch(variant):
     if variant == "qwen3vl":
-        samples = [tokens(2, ("img", (1, 4, 6)), 1, ("frames", (3, 4, 4), 2), 2), tokens(1, ("frames", (2, 6, 2), 3), 3)]
+        samples = [
+            tokens(2, ("img", (1, 4, 6)), 1, ("frames", (3, 4, 4), 2), 2),
+            tokens(1, ("frames", (2, 6, 2), 3), 3),
+        ]
     else:
         samples = [tokens(2, ("img", (1, 4, 6)), 1, ("vid", (3, 4, 4)), 2), tokens(1, ("vid", (2, 6, 2)), 3)]
     return batch(samples)
@@ -321,3 +324,13 @@ def test_rotary_errors():
         vlpe.encodings.build("mrope", dim=64, num_heads=2, num_kv_heads=2)
     with pytest.raises(ValueError, match="supports 3"):
         vlpe.encodings.build("mrope", dim=64, num_heads=2, num_axes=2)
+
+
+def test_pype_encoding_positions_use_its_depth():
+    enc = vlpe.encodings.build("pype", dim=32, num_heads=2, depth=5)
+    types, _, grid = batch([tokens(2, ("img", (1, 12, 12)), 3)])
+    pos = enc.positions(types, grid)
+    ids, _ = mm.position_ids("pype", types, grid, depth=5)
+    assert pos.num_axes == 5 and torch.equal(pos.coords, ids.permute(1, 2, 0).float())
+    with pytest.raises(ValueError, match="num_axes=depth"):
+        vlpe.encodings.build("pype", dim=32, num_heads=2, depth=5, num_axes=1).positions(types, grid)

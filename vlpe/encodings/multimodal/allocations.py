@@ -40,7 +40,9 @@ def _check_name(allocation: str) -> None:
         raise ValueError(f"unknown frequency allocation {allocation!r}; allocations are: {', '.join(ALLOCATIONS)}")
 
 
-def default_section(allocation: str, num_pairs: int, num_axes: int = 3, num_kv_heads: int | None = None) -> tuple[int, ...]:
+def default_section(
+    allocation: str, num_pairs: int, num_axes: int = 3, num_kv_heads: int | None = None
+) -> tuple[int, ...]:
     """The default ``section`` of an allocation, scaled to ``num_pairs`` (the released values at K = 64)."""
     _check_name(allocation)
     K = num_pairs
@@ -154,7 +156,9 @@ def _allocation_map(allocation, K, num_axes, section, num_kv_heads) -> Tensor:
 
     # low_freq_temporal / hybrid
     if len(sec) != 3 or sum(sec) != K:
-        raise ValueError(f"{allocation} allocation: section [t, h, w] must have 3 entries summing to {K}, got {list(sec)}")
+        raise ValueError(
+            f"{allocation} allocation: section [t, h, w] must have 3 entries summing to {K}, got {list(sec)}"
+        )
     spatial = K - sec[0]
     if (sec[1], sec[2]) != ((spatial + 1) // 2, spatial // 2):
         raise ValueError(

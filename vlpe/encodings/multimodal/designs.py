@@ -225,7 +225,9 @@ def _pype(L: TokenLayout, o: dict) -> DesignOut:
     if not isinstance(depth, int) or depth < 1:
         raise ValueError(f"pype design: depth (number of decoder layers) must be a positive integer, got {depth!r}")
     if not isinstance(interval, int) or interval < 1:
-        raise ValueError(f"pype design: interval (layers per descent step) must be a positive integer, got {interval!r}")
+        raise ValueError(
+            f"pype design: interval (layers per descent step) must be a positive integer, got {interval!r}"
+        )
     T, H, W = _unit(L)
     layer = torch.arange(depth, device=L.device).view(depth, 1)  # (A, 1)
     half = torch.minimum(H, W) // 2  # (R,)
@@ -285,7 +287,9 @@ def assemble(
     if dtype is None:
         dtype = torch.float32 if out.floating else torch.int64
     if out.floating and not dtype.is_floating_point:
-        raise ValueError(f"this position design produces fractional positions; dtype must be a float dtype, got {dtype}")
+        raise ValueError(
+            f"this position design produces fractional positions; dtype must be a float dtype, got {dtype}"
+        )
     work = torch.float64 if dtype.is_floating_point else torch.int64
     B, S = L.valid.shape
     N = B * S

@@ -264,6 +264,14 @@ class PyPE(MultimodalRoPE):
             raise ValueError("PyPE uses plain 1D frequencies; it takes no section")
         return inv_freq(self.head_dim // 2, self.theta, dim=self.head_dim).unsqueeze(0)  # (1, D/2)
 
+    def positions(self, mm_token_type_ids, grid_thw, attention_mask=None, spatial_merge_size=2, **options):
+        """Per-layer PyPE positions ``(B, S, depth)`` for this encoding's depth (see the base class)."""
+        if self.num_axes != self.depth:
+            raise ValueError(f"PyPE.positions builds one axis per layer; build the encoding with num_axes=depth "
+                             f"({self.depth}), got num_axes={self.num_axes}")
+        options.setdefault("depth", self.depth)
+        return super().positions(mm_token_type_ids, grid_thw, attention_mask, spatial_merge_size, **options)
+
     def _axis(self, layer: int) -> int:
         if not 0 <= layer < self.depth:
             raise ValueError(f"PyPE: layer must be in [0, depth={self.depth}), got {layer}")

@@ -10,7 +10,7 @@ from torch import Tensor
 
 from ..functional.rope import apply_rope, cos_sin, inv_freq as _inv_freq, rope_angles
 from .allocations import ALLOCATIONS, allocation_map, axes_of, frequency_matrix
-from .designs import DESIGNS, Design, assemble, get_design
+from .designs import DESIGNS, assemble, get_design
 from .layout import token_layout
 
 __all__ = [
