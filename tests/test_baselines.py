@@ -352,11 +352,12 @@ def test_rope_mixed_tables_dtype_and_weight_decay():
     assert enc.freqs.shape == (3, 4, 2, 8)
     ctx = enc.prepare(Positions.grid(4, 5, prefix=1))
     assert ctx["cos"].shape == (1, 3, 4, 21, 8) and ctx["cos"].dtype == torch.float32
-    p = enc.freqs
+    p, before = enc.freqs, enc.freqs.detach().clone()
     enc.bfloat16()
-    assert enc.freqs is p and enc.freqs.dtype == torch.float32  # learned frequencies stay fp32
+    assert enc.freqs is p and enc.freqs.dtype == torch.float32  # learned frequencies stay fp32 ...
+    assert torch.equal(enc.freqs.detach(), before)  # ... with their exact values, not bf16-rounded ones
     enc.half()
-    assert enc.freqs.dtype == torch.float32
+    assert torch.equal(enc.freqs.detach(), before)
     enc.double()
     assert enc.freqs.dtype == torch.float64
 
@@ -400,6 +401,16 @@ def test_rope_mixed_three_axes_init():
     assert enc.prepare(pos)["cos"].shape == (1, 2, 2, 19, 12)
     with pytest.raises(ValueError, match="divisible by 4"):
         build("rope_mixed", dim=36, num_heads=2)
+
+
+@pytest.mark.parametrize("name,opts", [("rope", {"theta": 10000.0}), ("alibi", {})])
+def test_fixed_frequency_buffers_survive_downcasts_exactly(name, opts):
+    enc = build(name, dim=96, num_heads=6, **opts)
+    (key, buf), = enc.named_buffers()
+    before = buf.clone()
+    enc.bfloat16()
+    after = dict(enc.named_buffers())[key]
+    assert after.dtype == torch.float32 and torch.equal(after, before)
 
 
 # =========================================================================== registry

@@ -110,6 +110,9 @@ class LearnedAPE(AdditiveEmbedding):
                 f"ape was built with {self.prefix} prefix slot(s) but the positions have prefix={pos.prefix}; "
                 f"build Positions with prefix={self.prefix} or the encoding with prefix={pos.prefix} (0 = no slots)"
             )
+        if pos.grid == self.grid_size and pos.prefix == self.prefix:
+            ctx["pe"] = self.pos_embed.unsqueeze(0)  # (1, N, C): the training grid, no copy
+            return
         patches = resample_grid_embed(
             self.pos_embed[self.prefix :], self.grid_size, pos.grid, antialias=self.antialias
         )  # (n_patches, C)

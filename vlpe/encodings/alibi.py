@@ -68,9 +68,10 @@ class ALiBi(Encoding):
         self.register_buffer("slopes", alibi_slopes(num_heads), persistent=False)  # (H,)
 
     def _apply(self, fn, recurse=True):
+        keep = self.slopes
         super()._apply(fn, recurse)
         if self.slopes.dtype not in (torch.float32, torch.float64):
-            self.slopes = self.slopes.float()
+            self.slopes = keep.to(device=self.slopes.device, dtype=torch.float32)  # exact fp32 slopes kept
         return self
 
     def _prepare(self, ctx: Context) -> None:

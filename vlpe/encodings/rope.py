@@ -28,9 +28,11 @@ class _RotaryBase(Encoding):
         self.layout = layout
 
     def _apply(self, fn, recurse=True):
+        keep = self.freqs
         super()._apply(fn, recurse)
         if self.freqs.dtype not in (torch.float32, torch.float64):
-            self.freqs = self.freqs.float()  # never rotate with bf16/fp16 frequencies
+            # never rotate with bf16/fp16 frequencies: restore the fp32 values, not the rounded ones
+            self.freqs = keep.to(device=self.freqs.device, dtype=torch.float32)
         return self
 
     def _prepare(self, ctx: Context) -> None:

@@ -107,12 +107,14 @@ class RoPEMixed(Encoding):
             )
 
     def _apply(self, fn, recurse=True):
+        data, grad = self.freqs.data, self.freqs.grad  # the fp32 values before any cast
         super()._apply(fn, recurse)
         p = self.freqs
         if p.dtype not in (torch.float32, torch.float64):
-            p.data = p.data.float()  # learned frequencies never drop below fp32 (same Parameter object)
+            # learned frequencies never drop below fp32: restore the exact values (not the rounded ones)
+            p.data = data.to(device=p.device, dtype=torch.float32)
             if p.grad is not None:
-                p.grad = p.grad.float()
+                p.grad = (grad if grad is not None else p.grad).to(device=p.device, dtype=torch.float32)
         return self
 
     def _prepare(self, ctx: Context) -> None:
