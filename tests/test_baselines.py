@@ -419,3 +419,23 @@ def test_baselines_registered_and_reject_unknown_options(name):
     assert name in vlpe.encodings.available()
     with pytest.raises(ValueError, match="does not take"):
         build(name, dim=32, num_heads=2, bogus=1)
+
+
+@pytest.mark.slow
+def test_benchmark_script_runs_side_by_side_with_nope(tmp_path):
+    """Smoke run of benchmarks/encodings.py at a toy size: nope is always measured and is the ratio's base."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "encodings.py"
+    out = tmp_path / "bench.json"
+    cmd = [sys.executable, str(script), "--encodings", "rope", "alibi", "--configs", "2:1", "--rounds", "2",
+           "--warmup", "1", "--dim", "32", "--heads", "2", "--depth", "2", "--threads", "1", "--out", str(out)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    report = json.loads(out.read_text())
+    res = report["configs"][0]["results"]
+    assert set(res) == {"nope", "rope", "alibi"} and report["configs"][0]["tokens"] == 5
+    assert res["nope"]["ratio_min"] == 1.0 and len(res["rope"]["times_ms"]) == 2
