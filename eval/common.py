@@ -140,7 +140,9 @@ def predict(
 def expected_calibration_error(probs: Tensor, labels: Tensor, *, bins: int = 15) -> float:
     """ECE with ``bins`` equal-width bins over the top-class confidence of ``probs`` (n, classes)."""
     if probs.dim() != 2 or labels.shape != probs.shape[:1]:
-        raise ValueError(f"probs must be (n, classes) with labels (n,), got {tuple(probs.shape)} / {tuple(labels.shape)}")
+        raise ValueError(
+            f"probs must be (n, classes) with labels (n,), got {tuple(probs.shape)} / {tuple(labels.shape)}"
+        )
     if bins < 1:
         raise ValueError(f"bins must be >= 1, got {bins}")
     n = probs.shape[0]

@@ -50,7 +50,11 @@ __all__ = ["PROTOCOLS", "resolve_protocol", "test_dataset", "size_bins", "evalua
 
 PROTOCOLS = ("auto", "render", "resize", "crop")
 _ARRAY_SETS = ("fashion_mnist", "mnist5k", "digits")
-_ALLOWED = {"shapes": ("render", "resize"), "folder": ("crop", "resize"), **{d: ("resize", "crop") for d in _ARRAY_SETS}}
+_ALLOWED = {  # dataset -> its protocols, the default first
+    "shapes": ("render", "resize"),
+    "folder": ("crop", "resize"),
+    **{d: ("resize", "crop") for d in _ARRAY_SETS},
+}
 
 
 def resolve_protocol(dataset: str, protocol: str) -> str:

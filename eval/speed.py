@@ -90,7 +90,8 @@ def build_encoding(name: str, *, dim: int, num_heads: int, depth: int, grid: tup
     base: dict[str, Any] = {"depth": depth}
     if name == "ape" or "grid_size" in vlpe.encodings.options_of(cls):
         base["grid_size"] = grid  # learned tables sized to the benchmark grid (no resampling), as the benchmark does
-    attempts = [{**base, "num_axes": axes_for(name)}, {**base, "num_axes": axes_for(name), **kit}, base, {**base, **kit}]
+    axes = {"num_axes": axes_for(name)}
+    attempts = [{**base, **axes}, {**base, **axes, **kit}, base, {**base, **kit}]
     reasons = []
     for opts in attempts:
         try:
@@ -162,7 +163,8 @@ def peak_memory(stack: nn.Module, enc, x: torch.Tensor, device: torch.device) ->
 
 
 def mm_position_ids_benchmark(rounds: int = 30) -> dict:
-    """vlpe's ``position_ids("mrope", ...)`` vs ``Qwen2VLModel.get_rope_index`` on benchmarks/mm_position_ids.py's batches."""
+    """vlpe's ``position_ids("mrope", ...)`` vs ``Qwen2VLModel.get_rope_index`` on the batches of
+    benchmarks/mm_position_ids.py."""
     bench = load_benchmark("mm_position_ids")
     if bench is None:
         return {"skipped": "benchmarks/mm_position_ids.py is not present"}
@@ -242,7 +244,9 @@ def run(
         encs, options, skipped = {}, {}, {}
         for name in names:
             try:
-                encs[name], options[name] = build_encoding(name, dim=dim, num_heads=heads, depth=depth, grid=(side, side))
+                encs[name], options[name] = build_encoding(
+                    name, dim=dim, num_heads=heads, depth=depth, grid=(side, side)
+                )
                 encs[name].to(device).train()
             except ValueError as e:
                 skipped[name] = str(e)
@@ -250,7 +254,9 @@ def run(
         res = bench.time_config(stack, encs, side=side, batch=batch, rounds=rounds, warmup=warmup, device=device,
                                 dim=dim, clock=clock)
         res["skipped"] = skipped
-        res["options"] = {n: {k: (list(v) if isinstance(v, tuple) else v) for k, v in o.items()} for n, o in options.items()}
+        res["options"] = {
+            n: {k: (list(v) if isinstance(v, tuple) else v) for k, v in o.items()} for n, o in options.items()
+        }
         res["axes"] = {n: e.num_axes for n, e in encs.items()}
         if memory:
             x = torch.randn(batch, side * side + 1, dim, generator=torch.Generator().manual_seed(0)).to(device)
@@ -275,19 +281,26 @@ def run(
 def format_report(report: dict) -> str:
     lines = []
     for c in report["configs"]:
-        lines.append(f"\n{c['grid'][0]}x{c['grid'][1]}+1 = {c['tokens']} tokens, batch {c['batch']}, forward + backward, "
-                     f"{report['rounds']} rounds ({report['device']}, {report['threads']} threads, {report['clock']} clock)")
-        lines.append(f"{'encoding':<13}{'axes':>5}{'min ms':>10}{'x nope':>8}{'x nope med':>11}{'peak MiB':>10}{'x nope':>8}")
+        lines.append(
+            f"\n{c['grid'][0]}x{c['grid'][1]}+1 = {c['tokens']} tokens, batch {c['batch']}, forward + backward, "
+            f"{report['rounds']} rounds ({report['device']}, {report['threads']} threads, {report['clock']} clock)"
+        )
+        lines.append(
+            f"{'encoding':<13}{'axes':>5}{'min ms':>10}{'x nope':>8}{'x nope med':>11}{'peak MiB':>10}{'x nope':>8}"
+        )
         for name, r in c["results"].items():
             peak = r.get("peak_mib")
             ratio = r.get("memory_ratio")
-            lines.append(f"{name:<13}{c['axes'][name]:>5}{r['min_ms']:>10.1f}{r['ratio_min']:>8.2f}{r['ratio_median']:>11.2f}"
-                         f"{'-' if peak is None else f'{peak:.1f}':>10}{'-' if ratio is None else f'{ratio:.2f}':>8}")
+            lines.append(
+                f"{name:<13}{c['axes'][name]:>5}{r['min_ms']:>10.1f}{r['ratio_min']:>8.2f}{r['ratio_median']:>11.2f}"
+                f"{'-' if peak is None else f'{peak:.1f}':>10}{'-' if ratio is None else f'{ratio:.2f}':>8}"
+            )
         for name, why in {**c.get("skipped", {}), **c.get("failed", {})}.items():
             lines.append(f"  skipped {name}: {why}")
     mm = report.get("mm_position_ids")
     if mm is not None:
-        lines.append("\nmultimodal position ids: vlpe position_ids('mrope') vs transformers Qwen2VLModel.get_rope_index")
+        lines.append("\nmultimodal position ids: vlpe position_ids('mrope') vs transformers "
+                     "Qwen2VLModel.get_rope_index")
         if "skipped" in mm:
             lines.append(f"  skipped: {mm['skipped']}")
         else:
@@ -301,7 +314,8 @@ def format_report(report: dict) -> str:
 def main(argv: Sequence[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
-    p.add_argument("--encodings", nargs="+", default=None, help="default: every registered encoding (nope always added)")
+    p.add_argument("--encodings", nargs="+", default=None,
+                   help="default: every registered encoding (nope is always added)")
     p.add_argument("--configs", nargs="+", default=["14:8", "28:2"],
                    help="SIDE:BATCH, a SIDE x SIDE frame plus CLS (default 14:8 28:2 = 197 and 785 tokens)")
     p.add_argument("--dim", type=int, default=384)
