@@ -1,0 +1,513 @@
+"""A small video-language model: a vlpe vision tower, a 2x2 merger and a Hugging Face Qwen2-VL decoder.
+
+Layout (Qwen2-VL's, scaled down)::
+
+    pixel patches (collator, Qwen2-VL order) -> linear patch embedding -> vlpe Encoder (any vision encoding,
+    default axial ``rope`` over (t, h, w)) -> 2x2 merger -> placeholders of a Qwen2VLForConditionalGeneration
+    decoder -> vlpe.integrations.transformers.apply(decoder, variant) -> any multimodal RoPE variant
+
+The decoder is the real ``transformers`` class built from a tiny ``Qwen2VLConfig``; only its ``model.visual`` is
+replaced by :class:`VisionTower`, which honours the interface the Hugging Face model calls
+(``visual(pixel_values, grid_thw=..., **kwargs)`` returning ``pooler_output`` = merged tokens in placeholder
+order, plus ``dtype`` and ``spatial_merge_size``). Hugging Face therefore does the placeholder scatter, the
+KV cache and ``generate()``; the vlpe patch supplies position ids, rotary tables and generation-time ids for
+the chosen variant (``rope1d``, ``mrope``, ``mrope_i``, ``mhrope``, ``vrope``, ``v2pe``, ``pype``,
+``videorope``, ``hope_video``, ``qwen25vl``, ``qwen3vl``, or any ``mm.Variant``).
+
+As in Qwen2-VL, the tower attends within each temporal patch (``vision_attention="frame"``; ``"block"``
+attends over a whole image or video): relating frames to each other and to the question is the decoder's
+job, which is what the decoder's position encoding is tested on.
+
+Batches come from :meth:`VLM.collator` (Qwen2-VL conventions, :mod:`data.vlm_collate`), which computes the
+decoder's position ids on the CPU with :func:`vlpe.encodings.multimodal.position_ids` and packs them as the
+patched model expects, so a training step never builds positions on the accelerator.
+
+    tok = data.text.build_tokenizer(data.vniah.vocabulary())
+    model = vlm("tiny", tokenizer=tok, variant="mrope_i")
+    batch = model.collator()(samples)             # samples: segment lists / data.vniah items
+    out = model(batch)                            # {"loss", "logits"}
+    new = model.generate(batch, max_new_tokens=2)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from dataclasses import dataclass, field
+from typing import Any, Literal, Mapping, Sequence
+
+import torch
+from torch import Tensor, nn
+
+from vlpe.attention import Backend
+from vlpe.encodings import multimodal as mm
+from vlpe.positions import Positions
+
+from .blocks import Encoder
+
+__all__ = [
+    "PRESETS",
+    "VisionTower",
+    "Merger",
+    "VLM",
+    "VLMCollate",
+    "vlm",
+    "pack_position_ids",
+    "answer_accuracy",
+]
+
+# Sizes. ``tiny`` trains on 2 CPU cores in minutes; ``full`` is GPU-sized (~60M parameters).
+PRESETS: dict[str, dict[str, Any]] = {
+    "tiny": dict(
+        hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=4, intermediate_size=128,
+        vision_dim=64, vision_depth=2, vision_heads=4,
+    ),
+    "small": dict(
+        hidden_size=128, num_layers=4, num_heads=8, num_kv_heads=4, intermediate_size=384,
+        vision_dim=128, vision_depth=4, vision_heads=4,
+    ),
+    "full": dict(
+        hidden_size=512, num_layers=8, num_heads=8, num_kv_heads=4, intermediate_size=1536,
+        vision_dim=384, vision_depth=8, vision_heads=6,
+    ),
+}  # fmt: skip
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Vision tower
+# ----------------------------------------------------------------------------------------------------------------
+
+
+@functools.lru_cache(maxsize=64)
+def _merge_order(h: int, w: int, m: int) -> Tensor:
+    """(row, col) of the ``h * w`` patches of one frame in the collator's order: row-block, column-block,
+    row-in-block, column-in-block (each ``m x m`` merge group contiguous). ``(h * w, 2)`` int64."""
+    rb, cb, ri, ci = torch.meshgrid(
+        torch.arange(h // m), torch.arange(w // m), torch.arange(m), torch.arange(m), indexing="ij"
+    )
+    return torch.stack([rb * m + ri, cb * m + ci], dim=-1).reshape(h * w, 2)
+
+
+@dataclass(frozen=True)
+class _Layout:
+    """How the packed patches of a batch become attention rows: ``rows`` x ``width`` tokens."""
+
+    coords: Tensor  # (R, Lmax, 3) int64: (t, row, col)
+    gather: Tensor | None  # (R, Lmax) patch index of every slot; None when the patches already form (R, Lmax)
+    valid: Tensor | None  # (R, Lmax) bool; None when every slot is real
+    scatter: Tensor | None  # (P,) flat slot of every patch, in patch order; None with gather None
+
+    def to(self, device: torch.device) -> "_Layout":
+        mv = lambda t: None if t is None else t.to(device, non_blocking=True)  # noqa: E731
+        return _Layout(mv(self.coords), mv(self.gather), mv(self.valid), mv(self.scatter))
+
+
+@functools.lru_cache(maxsize=32)
+def _layout(grids: tuple[tuple[int, int, int], ...], merge: int, per_frame: bool) -> _Layout:
+    """Rows of attention for packed ``grids`` (t, h, w in patches, order of appearance): one row per temporal
+    patch (``per_frame``) or per block. Built on the host once per distinct grid list (cached)."""
+    segments: list[tuple[int, Tensor]] = []  # (first patch, coords (n, 3))
+    offset = 0
+    for t, h, w in grids:
+        if h % merge or w % merge:
+            raise ValueError(f"grid {(t, h, w)}: height and width must be multiples of spatial_merge_size={merge}")
+        hw = _merge_order(h, w, merge)  # (h*w, 2)
+        times = torch.arange(t).repeat_interleave(h * w)[:, None]  # (t*h*w, 1)
+        coords = torch.cat([times, hw.repeat(t, 1)], dim=-1)  # (t*h*w, 3)
+        if per_frame:
+            segments += [(offset + i * h * w, coords[i * h * w : (i + 1) * h * w]) for i in range(t)]
+        else:
+            segments.append((offset, coords))
+        offset += t * h * w
+    lengths = [len(c) for _, c in segments]
+    width = max(lengths)
+    if all(n == width for n in lengths):
+        return _Layout(torch.stack([c for _, c in segments]), None, None, None)
+    R = len(segments)
+    coords = torch.zeros(R, width, 3, dtype=torch.long)
+    gather = torch.zeros(R, width, dtype=torch.long)
+    valid = torch.zeros(R, width, dtype=torch.bool)
+    scatter = []
+    for r, (first, c) in enumerate(segments):
+        n = len(c)
+        coords[r, :n] = c
+        gather[r, :n] = torch.arange(first, first + n)
+        valid[r, :n] = True
+        scatter.append(torch.arange(r * width, r * width + n))
+    return _Layout(coords, gather, valid, torch.cat(scatter))
+
+
+class Merger(nn.Module):
+    """Qwen2-VL's patch merger: the ``m x m`` contiguous patches of a group concatenated, then an MLP to the
+    decoder width (the input is already layer-normed by the encoder)."""
+
+    def __init__(self, *, dim: int, out_dim: int, merge_size: int = 2) -> None:
+        super().__init__()
+        self.group = merge_size**2
+        inner = dim * self.group
+        self.mlp = nn.Sequential(nn.Linear(inner, inner), nn.GELU(), nn.Linear(inner, out_dim))
+
+    def forward(self, x: Tensor) -> Tensor:
+        """``(P, C)`` patches in merge order -> ``(P / m^2, out_dim)``."""
+        return self.mlp(x.reshape(-1, x.shape[-1] * self.group))
+
+
+class VisionTower(nn.Module):
+    """Linear patch embedding + :class:`models.blocks.Encoder` (any vlpe encoding) + :class:`Merger`.
+
+    Called by the Hugging Face model as ``visual(pixel_values, grid_thw=grid_thw)``: ``pixel_values``
+    ``(P, C * tp * p * p)`` packed patches of every block in order (the Qwen2-VL processor's layout, see
+    :func:`data.vlm_collate.patchify`), ``grid_thw`` ``(blocks, 3)``. Every patch gets the coordinates
+    ``(t, row, col)`` (temporal patch, patch row, patch column) within its block; rows of attention are temporal
+    patches (``attention="frame"``, Qwen2-VL) or whole blocks (``"block"``), padded with ``valid`` masks when
+    blocks differ in size. Returns a ``BaseModelOutputWithPooling`` whose ``pooler_output`` holds the merged
+    tokens ``(P / m^2, out_dim)`` in placeholder order.
+    """
+
+    def __init__(
+        self,
+        *,
+        out_dim: int,
+        dim: int = 64,
+        depth: int = 2,
+        num_heads: int = 4,
+        patch_size: int = 14,
+        temporal_patch_size: int = 2,
+        in_chans: int = 3,
+        spatial_merge_size: int = 2,
+        encoding: str = "rope",
+        encoding_options: Mapping[str, Any] | None = None,
+        attention: Literal["frame", "block"] = "frame",
+        mlp_ratio: float = 4.0,
+        backend: Backend = "sdpa",
+    ) -> None:
+        super().__init__()
+        if attention not in ("frame", "block"):
+            raise ValueError(f"vision attention must be 'frame' or 'block', got {attention!r}")
+        self.patch_size, self.temporal_patch_size, self.in_chans = patch_size, temporal_patch_size, in_chans
+        self.spatial_merge_size = spatial_merge_size
+        self.attention = attention
+        self.patch_dim = in_chans * temporal_patch_size * patch_size**2
+        self.patch_embed = nn.Linear(self.patch_dim, dim)
+        options = dict(encoding_options or {})
+        options.setdefault("num_axes", 3)
+        self.encoder = Encoder(
+            dim=dim, depth=depth, num_heads=num_heads, encoding=encoding, encoding_options=options,
+            mlp_ratio=mlp_ratio, backend=backend,
+        )  # fmt: skip
+        self.merger = Merger(dim=dim, out_dim=out_dim, merge_size=spatial_merge_size)
+        for module in (self.patch_embed, self.encoder.blocks, self.merger):
+            module.apply(_init_linear)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.patch_embed.weight.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.patch_embed.weight.device
+
+    def no_weight_decay(self) -> set[str]:
+        return {f"encoder.{n}" for n in self.encoder.no_weight_decay()}
+
+    def forward(self, hidden_states: Tensor, grid_thw: Tensor, **kwargs: Any):
+        from transformers.modeling_outputs import BaseModelOutputWithPooling
+
+        if hidden_states.dim() != 2 or hidden_states.shape[-1] != self.patch_dim:
+            raise ValueError(
+                f"pixel_values must be (patches, {self.patch_dim}) = (patches, channels x temporal_patch_size x "
+                f"patch_size^2), got {tuple(hidden_states.shape)}"
+            )
+        grids = tuple(tuple(g) for g in grid_thw.tolist())  # the one host read (Hugging Face splits by it too)
+        layout = _layout(grids, self.spatial_merge_size, self.attention == "frame").to(hidden_states.device)
+        x = self.patch_embed(hidden_states)  # (P, C)
+        R, L = layout.coords.shape[:2]
+        rows = x.reshape(R, L, -1) if layout.gather is None else x[layout.gather]  # (R, L, C)
+        pos = Positions(layout.coords, valid=layout.valid, axes=("t", "h", "w"))
+        rows = self.encoder(rows, pos)  # (R, L, C)
+        x = rows.reshape(R * L, -1)
+        if layout.scatter is not None:
+            x = x[layout.scatter]  # (P, C) back in patch order
+        return BaseModelOutputWithPooling(last_hidden_state=x, pooler_output=self.merger(x))
+
+
+def _init_linear(m: nn.Module) -> None:
+    if isinstance(m, nn.Linear):
+        nn.init.trunc_normal_(m.weight, std=0.02)
+        if m.bias is not None:
+            nn.init.zeros_(m.bias)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Position ids for the patched decoder
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def pack_position_ids(ids: Tensor, attention_mask: Tensor | None, *, masked: bool) -> Tensor:
+    """``(1 + A [+ 1], B, S)``: the Hugging Face 1D text row (real-token count - 1, 0 on padding), the design's
+    ``ids (A, B, S)`` and, for designs with their own attention mask (PyPE, ``masked``), the real-token mask;
+    the tensor a model patched by :func:`vlpe.integrations.transformers.apply` takes as ``position_ids``."""
+    A, B, S = ids.shape
+    if attention_mask is None:
+        text = torch.arange(S, device=ids.device).expand(B, S)
+        valid = torch.ones(B, S, dtype=torch.bool, device=ids.device)
+    else:
+        text = (attention_mask.long().cumsum(-1) - 1).masked_fill(attention_mask == 0, 0)
+        valid = attention_mask != 0
+    dtype = ids.dtype if ids.is_floating_point() else torch.long
+    parts = [text[None], ids] + ([valid[None]] if masked else [])
+    return torch.cat([p.to(dtype) for p in parts], dim=0)
+
+
+@dataclass
+class VLMCollate:
+    """Samples -> keyword arguments of the patched decoder (picklable, for DataLoader workers).
+
+    Runs :class:`data.vlm_collate.VLMCollator` with the model's patching and the decoder's position variant,
+    splits the pixels by modality (:func:`data.vlm_collate.to_hf_inputs`) and packs the position ids
+    (:func:`pack_position_ids`). ``with_positions=False`` leaves them out; ``prompt_only=True`` drops the
+    ``answer`` segments (prompts for ``generate()``, best with ``padding_side="left"``).
+    """
+
+    tokenizer: Any
+    variant: Any
+    position_options: dict[str, Any] = field(default_factory=dict)
+    masked: bool = False
+    patch_size: int = 14
+    temporal_patch_size: int = 2
+    merge_size: int = 2
+    padding_side: str = "right"
+    with_positions: bool = True
+    prompt_only: bool = False
+    max_length: int | None = None
+
+    def __post_init__(self) -> None:
+        from data.vlm_collate import VLMCollator
+
+        self._collator = VLMCollator(
+            self.tokenizer, patch_size=self.patch_size, temporal_patch_size=self.temporal_patch_size,
+            merge_size=self.merge_size, padding_side=self.padding_side, max_length=self.max_length,
+            position_variant=self.variant if self.with_positions else None,
+            position_options=dict(self.position_options),
+        )  # fmt: skip
+
+    def __getstate__(self) -> dict:
+        return {k: v for k, v in self.__dict__.items() if k != "_collator"}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        self.__post_init__()
+
+    def __call__(self, samples: Sequence[Any]) -> dict[str, Tensor]:
+        from data.vlm_collate import to_hf_inputs
+
+        if self.prompt_only:
+            from data.vlm_collate import segments_of
+
+            samples = [[seg for seg in segments_of(s) if seg[0] != "answer"] for s in samples]
+        batch = self._collator(samples)
+        out = to_hf_inputs(batch)
+        if self.with_positions:
+            out["position_ids"] = pack_position_ids(batch["position_ids"], batch["attention_mask"], masked=self.masked)
+        return out
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The model
+# ----------------------------------------------------------------------------------------------------------------
+
+
+class VLM(nn.Module):
+    """Vision tower + merger + Qwen2-VL decoder, with the decoder switched to a vlpe multimodal RoPE variant.
+
+    Args:
+        tokenizer: a :class:`data.text.WordTokenizer` (or any object with ``vocab_size``, ``pad_id``, ``bos_id``,
+            ``eos_id``, ``image_token_id``, ``video_token_id``, ``vision_start_id``, ``vision_end_id``).
+        variant / variant_options: the decoder's multimodal RoPE (``vlpe.encodings.multimodal.VARIANTS`` name or
+            ``Variant``) and its design options (``spatial_reset=True``, ``temporal_scale=...``, ``section=...``).
+        hidden_size, num_layers, num_heads, num_kv_heads, intermediate_size: the decoder.
+        rope_theta: the decoder's rotary base; None takes the variant's own (``Variant.theta``).
+        vision_*: the tower (width, blocks, heads, vlpe encoding and options, ``"frame"``/``"block"`` attention).
+        patch_size, temporal_patch_size, merge_size, in_chans: patching (the collator must use the same).
+        attn_implementation: the decoder's attention (``"sdpa"`` or ``"eager"``).
+        initializer_range: std of the decoder's initial weights; None: ``hidden_size ** -0.5`` (unit gain per
+            projection; Hugging Face's 0.02 is sized for widths near 2,500 and leaves a narrow decoder's attention
+            path near zero at the start).
+    """
+
+    def __init__(
+        self,
+        *,
+        tokenizer: Any,
+        variant: Any = "mrope_i",
+        variant_options: Mapping[str, Any] | None = None,
+        hidden_size: int = 64,
+        num_layers: int = 2,
+        num_heads: int = 4,
+        num_kv_heads: int | None = None,
+        intermediate_size: int | None = None,
+        rope_theta: float | None = None,
+        vision_dim: int = 64,
+        vision_depth: int = 2,
+        vision_heads: int = 4,
+        vision_encoding: str = "rope",
+        vision_encoding_options: Mapping[str, Any] | None = None,
+        vision_attention: Literal["frame", "block"] = "frame",
+        patch_size: int = 4,
+        temporal_patch_size: int = 2,
+        merge_size: int = 2,
+        in_chans: int = 3,
+        attn_implementation: Literal["sdpa", "eager"] = "sdpa",
+        initializer_range: float | None = None,
+        tie_word_embeddings: bool = True,
+    ) -> None:
+        super().__init__()
+        from transformers import Qwen2VLConfig, Qwen2VLForConditionalGeneration
+
+        from vlpe.integrations import transformers as vlpe_hf
+
+        num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
+        if hidden_size % num_heads or num_heads % num_kv_heads:
+            raise ValueError(
+                f"hidden_size ({hidden_size}) must be a multiple of num_heads ({num_heads}) and num_heads of "
+                f"num_kv_heads ({num_kv_heads})"
+            )
+        head_dim = hidden_size // num_heads
+        if head_dim % 2:
+            raise ValueError(f"the decoder head dim hidden_size / num_heads = {head_dim} must be even for rotary")
+        v = mm.get_variant(variant)
+        self.tokenizer = tokenizer
+        self.variant = v
+        theta = float(v.theta if rope_theta is None else rope_theta)
+        init_std = hidden_size**-0.5 if initializer_range is None else float(initializer_range)
+        ids = dict(
+            image_token_id=tokenizer.image_token_id, video_token_id=tokenizer.video_token_id,
+            vision_start_token_id=tokenizer.vision_start_id, vision_end_token_id=tokenizer.vision_end_id,
+        )  # fmt: skip
+        config = Qwen2VLConfig(
+            text_config=dict(
+                vocab_size=tokenizer.vocab_size, hidden_size=hidden_size, num_hidden_layers=num_layers,
+                num_attention_heads=num_heads, num_key_value_heads=num_kv_heads,
+                intermediate_size=intermediate_size or 2 * hidden_size, initializer_range=init_std,
+                bos_token_id=tokenizer.bos_id, eos_token_id=tokenizer.eos_id, pad_token_id=tokenizer.pad_id,
+                # the stock rotary is replaced by the vlpe one; its section only has to be valid
+                rope_parameters={"rope_type": "default", "rope_theta": theta,
+                                 "mrope_section": list(mm.default_section("chunked", head_dim // 2))},
+            ),
+            # the stock tower is replaced below: build the smallest one Qwen2VLConfig accepts
+            vision_config=dict(depth=0, embed_dim=8, hidden_size=hidden_size, num_heads=1, patch_size=patch_size,
+                               temporal_patch_size=temporal_patch_size, spatial_merge_size=merge_size,
+                               in_channels=in_chans),
+            tie_word_embeddings=tie_word_embeddings,
+            **ids,
+        )  # fmt: skip
+        config._attn_implementation = attn_implementation
+        hf = Qwen2VLForConditionalGeneration(config)
+        hf.config.text_config._attn_implementation = attn_implementation
+        hf.model.visual = VisionTower(
+            out_dim=hidden_size, dim=vision_dim, depth=vision_depth, num_heads=vision_heads, patch_size=patch_size,
+            temporal_patch_size=temporal_patch_size, in_chans=in_chans, spatial_merge_size=merge_size,
+            encoding=vision_encoding, encoding_options=vision_encoding_options, attention=vision_attention,
+        )  # fmt: skip
+        gen = hf.generation_config
+        gen.bos_token_id, gen.eos_token_id, gen.pad_token_id = tokenizer.bos_id, tokenizer.eos_id, tokenizer.pad_id
+        self.hf = hf
+        vlpe_hf.apply(hf, v, **dict(variant_options or {}))
+        self._patch = vlpe_hf.patch_of(hf)
+
+    # -- properties ------------------------------------------------------------------------------------------------
+    @property
+    def visual(self) -> VisionTower:
+        return self.hf.model.visual
+
+    @property
+    def config(self):
+        return self.hf.config
+
+    @property
+    def position_options(self) -> dict[str, Any]:
+        """The design options the decoder was patched with (defaults filled in: PyPE's depth ...)."""
+        return dict(self._patch.design_options)
+
+    def no_weight_decay(self) -> set[str]:
+        names = {f"hf.model.visual.{n}" for n in self.visual.no_weight_decay()}
+        return names | {n for n, _ in self.named_parameters() if "embed_tokens" in n or "lm_head" in n}
+
+    def collator(self, **kwargs: Any) -> VLMCollate:
+        """A :class:`VLMCollate` matching this model's patching, variant and position options."""
+        vc = self.hf.config.vision_config
+        base = dict(
+            tokenizer=self.tokenizer, variant=self.variant, position_options=self.position_options,
+            masked=self._patch.masked, patch_size=vc.patch_size, temporal_patch_size=vc.temporal_patch_size,
+            merge_size=vc.spatial_merge_size,
+        )  # fmt: skip
+        return VLMCollate(**{**base, **kwargs})
+
+    # -- forward / generate ----------------------------------------------------------------------------------------
+    def forward(self, batch: Mapping[str, Tensor]) -> dict[str, Tensor]:
+        """``batch`` from :meth:`collator` -> ``{"loss"}`` (mean over supervised answer tokens) and ``"logits"``.
+
+        ``position_ids`` should be in the batch (computed by the collator); without them the patched model
+        computes them from ``mm_token_type_ids`` and the grids.
+        """
+        inputs = {k: v for k, v in batch.items() if k != "second_per_grid_ts"}
+        with self._video_timing(batch):
+            out = self.hf(**inputs, use_cache=False)
+        result = {"logits": out.logits}
+        if out.loss is not None:
+            result["loss"] = out.loss
+        return result
+
+    @torch.no_grad()
+    def generate(self, batch: Mapping[str, Tensor], **kwargs: Any):
+        """``hf.generate`` on a prompt batch (``collator(prompt_only=True, padding_side="left")``): labels and
+        precomputed position ids are dropped, the patched model places the prompt and every generated token."""
+        inputs = {k: v for k, v in batch.items() if k not in ("labels", "position_ids", "second_per_grid_ts")}
+        with self._video_timing(batch):
+            return self.hf.generate(**inputs, **kwargs)
+
+    @contextlib.contextmanager
+    def _video_timing(self, batch: Mapping[str, Tensor]):
+        """Qwen2-VL's forward and generate() do not pass ``second_per_grid_ts`` on to the position ids, yet
+        time-aware designs (``qwen25vl``) place frames by it: hand this batch's values to the patch for the call
+        (the collator used the same values)."""
+        spg = batch.get("second_per_grid_ts")
+        options = self._patch.design_options
+        if spg is None or "second_per_grid_ts" not in mm.DESIGNS[self.variant.design].defaults:
+            yield
+            return
+        had, saved = "second_per_grid_ts" in options, options.get("second_per_grid_ts")
+        options["second_per_grid_ts"] = spg
+        try:
+            yield
+        finally:
+            if had:
+                options["second_per_grid_ts"] = saved
+            else:
+                del options["second_per_grid_ts"]
+
+
+def vlm(preset: str = "tiny", *, tokenizer: Any, variant: Any = "mrope_i", **overrides: Any) -> VLM:
+    """A :class:`VLM` from a size preset (``tiny`` / ``small`` / ``full``) with keyword overrides."""
+    if preset not in PRESETS:
+        raise ValueError(f"unknown VLM preset {preset!r}; presets: {', '.join(PRESETS)}")
+    return VLM(tokenizer=tokenizer, variant=variant, **{**PRESETS[preset], **overrides})
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Scoring
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def answer_accuracy(logits: Tensor, labels: Tensor) -> tuple[Tensor, Tensor]:
+    """Teacher-forced exact match per sequence: ``(correct (B,) bool, scored (B,) bool)``.
+
+    The prediction for token ``s`` is ``argmax logits[s - 1]``; a sequence is correct when every supervised
+    token (``labels != -100``) is predicted (LongVA's V-NIAH scoring). ``scored`` marks sequences with at least
+    one supervised token.
+    """
+    pred = logits[:, :-1].argmax(-1)  # (B, S-1)
+    target = labels[:, 1:]  # (B, S-1)
+    supervised = target != -100
+    wrong = (pred != target) & supervised
+    return ~wrong.any(-1) & supervised.any(-1), supervised.any(-1)

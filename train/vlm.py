@@ -1,0 +1,208 @@
+"""Train the small VLM (:mod:`models.vlm`) with any multimodal RoPE variant on a short-video needle task.
+
+    deepspeed --num_gpus 8 train/vlm.py --config configs/full/mrope_i.yaml
+    python train/vlm.py --config configs/mrope_i.yaml train.steps=50 model.variant=videorope
+
+The task is V-NIAH on small frames (:mod:`data.vniah`): a haystack of ``data.frames`` frames, one needle frame
+(a Fashion-MNIST item drawn in red) at a uniformly drawn place, the question "What item is shown in red?" and a
+one-word answer; the loss is on the answer tokens (and the ``<eos>`` that ends them) only. Validation is
+LongVA's exact match (teacher-forced argmax on every answer token) on held-out needles at the training length,
+summed over ranks. Position ids are computed by the collator in the DataLoader workers
+(:func:`vlpe.encodings.multimodal.position_ids`) and handed to the model.
+
+The default configs are CPU-sized (8 frames of 16x16, a 2-layer decoder, a few minutes on 2 cores);
+``configs/full/`` holds the GPU-sized variants. The trained weights are exported to
+``<out_dir>/model.safetensors`` with ``<out_dir>/config.yaml`` beside them; :func:`build_model` rebuilds the
+model from that config (``eval/long_video.py`` tests it at longer lengths).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import torch
+from torch.utils.data import DataLoader, Dataset, Subset
+
+from train.cli import main_guard, parse
+from train.config import ConfigError
+from train.engine import TrainSection, fit, move_to
+from train.tasks import shard
+
+
+@dataclass(kw_only=True)
+class ModelSection:
+    preset: str = "tiny"
+    variant: str = "mrope_i"  # a vlpe.encodings.multimodal variant
+    variant_options: dict = field(default_factory=dict)  # design options (spatial_reset, temporal_scale, section ...)
+    hidden_size: int | None = None
+    num_layers: int | None = None
+    num_heads: int | None = None
+    num_kv_heads: int | None = None
+    intermediate_size: int | None = None
+    rope_theta: float | None = None  # None: the variant's own base
+    initializer_range: float | None = None  # None: hidden_size ** -0.5
+    vision_dim: int | None = None
+    vision_depth: int | None = None
+    vision_heads: int | None = None
+    vision_encoding: str = "rope"
+    vision_encoding_options: dict = field(default_factory=dict)
+    vision_attention: Literal["frame", "block"] = "frame"
+    patch_size: int = 4
+    temporal_patch_size: int = 2
+    merge_size: int = 2
+    attn_implementation: Literal["sdpa", "eager"] = "sdpa"
+
+
+@dataclass(kw_only=True)
+class DataSection:
+    task: Literal["v_niah", "v_niah_d"] = "v_niah"
+    frames: int = 8  # training length (frames per video)
+    frame_size: int = 16  # a multiple of patch_size * merge_size
+    haystack: Literal["procedural", "real"] = "procedural"
+    needles: Literal["fashion_mnist", "photos"] = "fashion_mnist"
+    needle_size: int | None = None  # None: the needle fills its frame (LongVA)
+    needle_span: int = 1
+    delta: int = 4  # v_niah_d: distractor distance in frames
+    fps: float = 2.0
+    train_samples: int = 20000
+    val_samples: int = 256
+    seed: int = 0
+
+
+@dataclass(kw_only=True)
+class VLMConfig:
+    model: ModelSection = field(default_factory=ModelSection)
+    data: DataSection = field(default_factory=DataSection)
+    train: TrainSection = field(default_factory=TrainSection)
+    deepspeed: dict = field(default_factory=dict)
+
+
+def build_tokenizer(data: DataSection):
+    """The word-level tokenizer of the task (its vocabulary comes from the task's texts; nothing downloaded)."""
+    from data.text import build_tokenizer as build
+    from data.vniah import vocabulary
+
+    return build(vocabulary(data.needles))
+
+
+def build_model(cfg: VLMConfig, tokenizer=None):
+    """The :class:`models.vlm.VLM` of a config (``tokenizer`` defaults to the task's)."""
+    from models.vlm import vlm
+
+    m = cfg.model
+    sizes = dict(
+        hidden_size=m.hidden_size, num_layers=m.num_layers, num_heads=m.num_heads, num_kv_heads=m.num_kv_heads,
+        intermediate_size=m.intermediate_size, vision_dim=m.vision_dim, vision_depth=m.vision_depth,
+        vision_heads=m.vision_heads,
+    )  # fmt: skip
+    try:
+        return vlm(
+            m.preset,
+            tokenizer=tokenizer if tokenizer is not None else build_tokenizer(cfg.data),
+            variant=m.variant,
+            variant_options=m.variant_options,
+            rope_theta=m.rope_theta,
+            initializer_range=m.initializer_range,
+            vision_encoding=m.vision_encoding,
+            vision_encoding_options=m.vision_encoding_options,
+            vision_attention=m.vision_attention,
+            patch_size=m.patch_size,
+            temporal_patch_size=m.temporal_patch_size,
+            merge_size=m.merge_size,
+            attn_implementation=m.attn_implementation,
+            **{k: v for k, v in sizes.items() if v is not None},
+        )
+    except ValueError as e:  # unknown preset / variant / option: a config mistake, said in one line
+        raise ConfigError(f"model: {e}") from e
+
+
+def build_datasets(cfg: VLMConfig, *, lengths: tuple[int, ...] | None = None) -> tuple[Dataset, Dataset]:
+    """(train, val) V-NIAH sets at the training length: needles from the training / test split, the needle
+    frame uniform over every place in the video (one depth per frame)."""
+    from data.vniah import VNIAH
+
+    d, m = cfg.data, cfg.model
+    unit = m.patch_size * m.merge_size
+    if d.frame_size % unit:
+        raise ConfigError(f"data.frame_size={d.frame_size} must be a multiple of patch_size x merge_size = {unit}")
+    L = d.frames
+    if L < d.needle_span:
+        raise ConfigError(f"data.frames={L} is shorter than data.needle_span={d.needle_span}")
+    places = L - d.needle_span + 1
+    depths = [i / (places - 1) for i in range(places)] if places > 1 else [0.0]
+    common = dict(
+        lengths=lengths or (L,), depths=depths, size=d.frame_size, haystack=d.haystack, needles=d.needles,
+        needle_size=d.needle_size, needle_span=d.needle_span, fps=d.fps,
+        distractors="single" if d.task == "v_niah_d" else None, delta=d.delta,
+    )  # fmt: skip
+    per_cell = lambda n: max(1, math.ceil(n / places))  # noqa: E731
+    try:
+        train = VNIAH(samples_per_cell=per_cell(d.train_samples), split="train", seed=d.seed, **common)
+        val = VNIAH(samples_per_cell=per_cell(d.val_samples), split="test", seed=d.seed + 1, **common)
+    except ValueError as e:
+        raise ConfigError(f"data: {e}") from e
+    return train, val
+
+
+@torch.no_grad()
+def evaluate_answers(module, batches, device: torch.device) -> dict[str, float]:
+    """Exact-match answer accuracy (teacher-forced) and mean answer-token loss over ``batches``, summed over
+    ranks."""
+    import torch.distributed as dist
+
+    from models.vlm import answer_accuracy
+
+    stats = torch.zeros(3, dtype=torch.float64)  # correct, scored, loss x scored
+    for batch in batches:
+        batch = move_to(batch, device)
+        out = module(batch)
+        correct, scored = answer_accuracy(out["logits"], batch["labels"])
+        n = scored.sum()
+        stats += torch.stack([correct.sum(), n, out["loss"].detach().float() * n]).double().cpu()
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(stats)
+    c, t, l = stats.tolist()
+    return {"acc": c / max(t, 1.0), "loss": l / max(t, 1.0), "count": t}
+
+
+def main(argv=None) -> None:
+    cfg, raw = parse(VLMConfig, argv, description=__doc__)
+    tokenizer = build_tokenizer(cfg.data)
+    model = build_model(cfg, tokenizer)
+    train_set, val_set = build_datasets(cfg)
+    collate = model.collator()
+    answers = len(train_set.answers)
+
+    def validate(module, device):
+        import torch.distributed as dist
+
+        rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+        idx = list(shard(len(val_set), rank, world))[: cfg.train.val_batches * cfg.train.micro_batch]
+        loader = DataLoader(
+            Subset(val_set, idx), batch_size=cfg.train.micro_batch, collate_fn=collate,
+            num_workers=cfg.train.num_workers,
+        )  # fmt: skip
+        return {**evaluate_answers(module, loader, device), "chance": 1.0 / answers}
+
+    run_config: dict[str, Any] = {
+        **raw,
+        "script": "vlm",
+        "tokenizer_words": list(tokenizer.words),
+        "position_options": {k: v for k, v in model.position_options.items() if k != "second_per_grid_ts"},
+    }
+    fit(
+        model=model,
+        train=cfg.train,
+        deepspeed_overrides=cfg.deepspeed,
+        train_set=train_set,
+        collate=collate,
+        validate=validate,
+        run_config=run_config,
+        tokens_per_sample=lambda batch: int(batch["input_ids"].numel()),
+    )
+
+
+if __name__ == "__main__":
+    main_guard(main)
