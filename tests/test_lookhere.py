@@ -127,6 +127,8 @@ def test_lh90_slopes_and_head_split():
     assert names == ["corners"] * 8 + ["none"] * 4 and dirs[4:8] == dirs[:4]
     assert head_layout("corners-triangles-none", 16)[0] == ["corners"] * 8 + ["triangles"] * 4 + ["none"] * 4
     assert head_layout("corners-none", 6)[0] == ["corners"] * 4 + ["none"] * 2
+    assert build(heads=6).head_directions == "corners-none"  # default: LH-90's groups that fit the heads
+    assert build(heads=12).head_directions == "corners-triangles-none"
     enc16 = build(heads=16, head_directions="corners-triangles-none", global_slope=1.0, layer_slopes=(1.0, 1.0))
     assert enc16.slopes(0)[:8].tolist() == [0.5] * 4 + [0.25] * 4  # 8 directed heads: 1/2 x4, 1/4 x4
 

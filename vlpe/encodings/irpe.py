@@ -115,7 +115,7 @@ class IRPE(Encoding):
         if self.parts * n * n * 8 > _INT64_INDEX_BYTES:
             dtype = compact_index_dtype(self.grid_buckets)
         ids = torch.full((self.parts, n, n), self.grid_buckets, dtype=dtype, device=device)  # prefix bucket
-        ids[:, prefix:, prefix:] = toeplitz_2d(offsets.to(dtype), h, w)
+        toeplitz_2d(offsets.to(dtype), h, w, out=ids[:, prefix:, prefix:])
         if len(self._cache) >= _CACHE_SIZE:
             self._cache.pop(next(iter(self._cache)))
         self._cache[key] = ids
@@ -146,23 +146,25 @@ class IRPE(Encoding):
         scale = self.head_dim**-0.5
         B, H, n, _ = q.shape
         N = k.shape[-2]
-        bias = None
+        bias = None  # accumulated in place: one (B, H, n, N) tensor per call
         if "k" in self.rpe_on:  # e_ij += q_i . r[I(i, j)] / sqrt(d)
             idx = self._index(ctx, rows, transpose=False)  # P x (n, N)
             if self.mode == "bias":
-                term = sum(self.table_k[layer][:, i] for i in idx).unsqueeze(0)  # (1, H', n, N)
+                terms = (self.table_k[layer][:, i].unsqueeze(0) for i in idx)  # (1, H', n, N) each
             else:
                 table = (q * scale) @ self.table_k[layer].to(q.dtype)  # (B, H, n, P*K)
-                term = sum(torch.gather(table, -1, i.expand(B, H, n, N)) for i in idx)  # (B, H, n, N)
-            bias = term
+                terms = (torch.gather(table, -1, i.expand(B, H, n, N)) for i in idx)  # (B, H, n, N) each
+            for t in terms:
+                bias = t if bias is None else bias.add_(t)
         if "q" in self.rpe_on:  # e_ij += k_j . r[I(j, i)] / sqrt(d)
             idx = self._index(ctx, rows, transpose=True)  # P x (n, N): I(j, i)
             if self.mode == "bias":
-                term = sum(self.table_q[layer][:, i] for i in idx).unsqueeze(0)  # (1, H', n, N)
+                terms = (self.table_q[layer][:, i].unsqueeze(0) for i in idx)  # (1, H', n, N) each
             else:
                 table = ((k * scale) @ self.table_q[layer].to(k.dtype)).transpose(-1, -2).contiguous()  # (B,H,PK,N)
-                term = sum(torch.gather(table, -2, i.expand(B, H, n, N)) for i in idx)  # (B, H, n, N)
-            bias = term if bias is None else bias + term
+                terms = (torch.gather(table, -2, i.expand(B, H, n, N)) for i in idx)  # (B, H, n, N) each
+            for t in terms:
+                bias = t if bias is None else bias.add_(t)  # q and k terms have the same shape (same mode)
         return bias
 
     def values(self, attn: Tensor, ctx: Context, layer: int, rows: slice | None = None) -> Tensor | None:

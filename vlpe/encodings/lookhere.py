@@ -11,9 +11,9 @@ from torch import Tensor
 from .base import Context, Encoding
 from .registry import register, register_preset
 
-__all__ = ["LookHere", "DIRECTION_GROUPS", "head_layout"]
+__all__ = ["LookHere", "DIRECTION_GROUPS", "default_directions", "head_layout"]
 
-# Half-planes a key may be required to lie in, as bits of a per-pair code. (dx, dy) = key - query in
+# Half-planes a key may be required to lie in, as bits of a field-of-view code. (dx, dy) = key - query in
 # (column, row) patch units; "up" is a smaller row index. Every boundary is inclusive.
 _RIGHT, _LEFT, _DOWN, _UP = 1, 2, 4, 8  # dx >= 0, dx <= 0, dy >= 0, dy <= 0
 _SUM_POS, _SUM_NEG, _DIF_POS, _DIF_NEG = 16, 32, 64, 128  # dx+dy >= 0, dx+dy <= 0, dx-dy >= 0, dx-dy <= 0
@@ -80,6 +80,14 @@ def _group_sizes(num_heads: int, groups: int, config: str) -> list[int]:
     return sizes
 
 
+def default_directions(num_heads: int) -> str:
+    """LH-90's layout for ``num_heads``: ``"corners-triangles-none"`` from 9 heads on (12 heads: 4 + 4 + 4),
+    ``"corners-none"`` for 5-8 heads (6 heads: 4 + 2, the reference's 6-head split), ``"corners"`` below."""
+    if num_heads >= 9:
+        return "corners-triangles-none"
+    return "corners-none" if num_heads >= 5 else "corners"
+
+
 def head_layout(config: str, num_heads: int) -> tuple[list[str], list[tuple[str, ...]]]:
     """``(group name, direction primitives)`` of each head for a config such as ``"corners-triangles-none"``."""
     if not isinstance(config, str) or not config:
@@ -124,6 +132,10 @@ class LookHere(Encoding):
     ``-global_slope * layer_slope_l * head_slope_h * D(i, j)`` there (D the Euclidean patch distance) and a
     finite ``-3.39e38`` (``fill_with='inf'``) elsewhere; layer slopes run linearly from ``layer_slopes[0]``
     to ``layer_slopes[1]``. Prefix tokens are unmasked and unpenalised both ways. No parameters.
+    ``head_directions=None`` picks LH-90's groups that fit the head count (``default_directions``); heads are
+    dealt to groups in blocks of four as in the reference (12 heads and 2 groups: 8 + 4). Masks do not depend
+    on the slopes (the reference's ``0 * inf`` turns a zero slope into no mask; here ``global_slope=0`` keeps
+    the fields of view and drops only the distance penalty).
 
     Unlike the reference, which stores ``depth x heads x N x N`` bias maps, the bias is computed per layer
     and per query chunk from the coordinates (``score`` honours ``rows``); the per-forward context holds only
@@ -134,7 +146,7 @@ class LookHere(Encoding):
 
     claims = frozenset({"relative", "extrapolation", "fp32_angles"})
     supported_axes = (2,)
-    #: the registry-wide kit builds 4 heads: one 4-head group
+    #: the registry-wide kit builds 4 heads: one 4-head group (also for the 12-head presets)
     kit_options: ClassVar[dict] = {"head_directions": "corners"}
 
     def __init__(
@@ -144,7 +156,7 @@ class LookHere(Encoding):
         num_heads: int,
         depth: int = 12,
         num_axes: int = 2,
-        head_directions: str = "corners-triangles-none",
+        head_directions: str | None = None,
         global_slope: float = 2.0,
         layer_slopes: Sequence[float] = (1.5, 0.5),
         head_slopes: Sequence[float] | None = None,
@@ -162,6 +174,8 @@ class LookHere(Encoding):
         layer_slopes = tuple(float(s) for s in layer_slopes)
         if len(layer_slopes) != 2:
             raise ValueError(f"layer_slopes must be (first layer, last layer), got {layer_slopes}")
+        if head_directions is None:
+            head_directions = default_directions(num_heads)
         head_names, head_dirs = head_layout(head_directions, num_heads)
         if head_slopes is None:
             head_slopes = _default_head_slopes(head_names)
@@ -180,6 +194,12 @@ class LookHere(Encoding):
             zero.append("zero" in dirs)
             center.append("center" in dirs)
         self.has_center = any(center)
+        self._slopes = head_slopes  # Python floats: no device round trip in the hot path
+        self._kinds = ["zero" if z else "center" if c else "distance" for z, c in zip(zero, center)]
+        groups: dict[int, list[int]] = {}
+        for h, bits in enumerate(required):
+            groups.setdefault(bits, []).append(h)
+        self._fov_groups = list(groups.items())  # (required half-plane bits, heads with that field of view)
         self.register_buffer("required", torch.tensor(required, dtype=torch.uint8), persistent=False)  # (H,)
         self.register_buffer("head_slopes", torch.tensor(head_slopes, dtype=torch.float32), persistent=False)
         self.register_buffer("is_zero", torch.tensor(zero), persistent=False)  # (H,) no bias at all
@@ -230,38 +250,68 @@ class LookHere(Encoding):
 
     # ------------------------------------------------------------------ dense path
     def score(self, q: Tensor, k: Tensor, ctx: Context, layer: int, rows: slice | None = None) -> Tensor:
+        """The ``(B, H, n, N)`` bias of the query ``rows``, written head by head into one tensor.
+
+        Only ``(B, n, N)`` temporaries (offsets, distance, one mask per field of view) exist beside the
+        result; heads sharing a field of view share its mask.
+        """
         rows = slice(None) if rows is None else rows
         with torch.autocast(q.device.type, enabled=False):
             y, x = ctx["y"], ctx["x"]  # (B, N)
             dy = y[:, None, :] - y[:, rows, None]  # (B, n, N) key - query
             dx = x[:, None, :] - x[:, rows, None]
-            code = self._code(dx, dy)  # (B, n, N) uint8
-            slopes = self.slopes(layer).to(dx.dtype)[None, :, None, None]  # (1, H, 1, 1)
-            bias = self._dist(dx.square() + dy.square())[:, None] * -slopes  # (B, H, n, N)
-            if self.has_center:
-                cd = ctx["centre_dist"][:, None, None, :]  # (B, 1, 1, N)
-                bias = torch.where(self.is_center[None, :, None, None], cd * -slopes, bias)
-            req = self.required[None, :, None, None]  # (1, H, 1, 1)
-            hidden = (code[:, None] & req) != req  # (B, H, n, N)
-            if self.fill_with == "inf":
-                bias = bias.masked_fill_(hidden, _MASKED)
-            elif self.fill_with == "zero":
-                bias = bias.masked_fill_(hidden, 0.0)
-            else:
-                fill = ctx["max_dist"][:, None, None, None] * -slopes  # (B, H, 1, 1)
-                bias = torch.where(hidden, fill, bias)
-            self._clear_prefix(bias, ctx.pos.prefix, rows, q.shape[-2])
-        return bias
+            B, n, N = dx.shape
+            dist = self._dist((dx * dx).addcmul_(dy, dy))  # (B, n, N)
+            out = dist.new_empty(B, self.num_heads, n, N)
+            factor = -self.global_slope * self.layer_slope(layer)
+            outside: dict[int, Tensor] = {}  # half-plane bit -> (B, n, N) "key outside it"
+            for req, heads in self._fov_groups:
+                hidden = self._hidden(req, dx, dy, outside)  # (B, n, N) or None
+                # fill 'inf': one fused pass per head, out = penalty * distance + (0 | -3.39e38)
+                floor = None if hidden is None or self.fill_with != "inf" else torch.where(hidden, _MASKED, 0.0)
+                for h in heads:
+                    o = out[:, h]  # (B, n, N)
+                    s = factor * self._slopes[h]
+                    kind = self._kinds[h]
+                    d = dist  # (B, n, N)
+                    if kind == "center":
+                        d = ctx["centre_dist"][:, None, :].expand(B, n, N)  # the key's distance to the centre
+                    if floor is not None:
+                        if kind == "zero":
+                            o.copy_(floor)
+                        else:
+                            torch.add(floor, d, alpha=s, out=o)
+                        continue
+                    if kind == "zero":
+                        o.zero_()
+                    else:
+                        torch.mul(d, s, out=o)
+                    if hidden is None:
+                        continue
+                    if self.fill_with == "zero" or kind == "zero":
+                        o.masked_fill_(hidden, 0.0)
+                    else:  # "max": the largest distance of the grid, penalised like a visible key
+                        o.copy_(torch.where(hidden, (ctx["max_dist"] * s)[:, None, None], o))
+            self._clear_prefix(out, ctx.pos.prefix, rows, n)
+        return out
 
     @staticmethod
-    def _code(dx: Tensor, dy: Tensor) -> Tensor:
-        """Which of the eight closed half-planes each offset lies in, as bits of a uint8 code."""
-        s, d = dx + dy, dx - dy
-        code = (dx >= 0).to(torch.uint8)
-        for t, bit in ((dx <= 0, _LEFT), (dy >= 0, _DOWN), (dy <= 0, _UP), (s >= 0, _SUM_POS), (s <= 0, _SUM_NEG),
-                       (d >= 0, _DIF_POS), (d <= 0, _DIF_NEG)):  # fmt: skip
-            code |= t.to(torch.uint8) * bit
-        return code
+    def _hidden(req: int, dx: Tensor, dy: Tensor, outside: dict[int, Tensor]) -> Tensor | None:
+        """``(B, n, N)`` True where the key lies outside the field of view ``req`` (None: sees everything)."""
+        hidden, owned = None, False
+        for bit in (_RIGHT, _LEFT, _DOWN, _UP, _SUM_POS, _SUM_NEG, _DIF_POS, _DIF_NEG):
+            if not req & bit:
+                continue
+            if bit not in outside:
+                form = dx if bit <= _LEFT else dy if bit <= _UP else dx + dy if bit <= _SUM_NEG else dx - dy
+                outside[bit] = form < 0 if bit in (_RIGHT, _DOWN, _SUM_POS, _DIF_POS) else form > 0
+            if hidden is None:
+                hidden = outside[bit]
+            elif owned:
+                hidden |= outside[bit]
+            else:  # never modify a cached half-plane mask in place
+                hidden, owned = hidden | outside[bit], True
+        return hidden
 
     @staticmethod
     def _clear_prefix(bias: Tensor, prefix: int, rows: slice, n: int) -> None:
@@ -329,8 +379,10 @@ class LookHere(Encoding):
 
 
 # LH-90 is the reference's released config (global slope 2, layer slopes 1.5 -> 0.5, quadrants + 90-degree
-# wedges + unmasked heads). LH-180 and LH-45 use the same slopes with the 180-degree (half-planes along the
-# axes and along the diagonals) and 45-degree (the eight octants) groups.
+# wedges + unmasked heads). The LH-180 / LH-45 strings live only inside the released checkpoints; by analogy
+# with LH-90 (two 4-direction groups covering the 8 compass directions + 4 unmasked heads) they use the
+# 180-degree groups (half-planes along the axes and along the diagonals) and the 45-degree groups (the eight
+# octants) with the same slopes.
 register_preset("lh90", "lookhere", head_directions="corners-triangles-none", global_slope=2.0, layer_slopes=(1.5, 0.5))
 register_preset("lh180", "lookhere", head_directions="halves-diagonals-none", global_slope=2.0, layer_slopes=(1.5, 0.5))
 register_preset("lh45", "lookhere", head_directions="eighths1-eighths2-none", global_slope=2.0, layer_slopes=(1.5, 0.5))

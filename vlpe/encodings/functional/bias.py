@@ -82,18 +82,25 @@ def irpe_offset_buckets(method: str, h: int, w: int, alpha: float, beta: float, 
     return torch.stack(parts)  # (P, 2h-1, 2w-1)
 
 
-def toeplitz_2d(offset_table: Tensor, h: int, w: int) -> Tensor:
+def toeplitz_2d(offset_table: Tensor, h: int, w: int, *, out: Tensor | None = None) -> Tensor:
     """Expand an offset table ``(P, 2h-1, 2w-1)`` to the pair map ``(P, hw, hw)`` of a row-major grid.
 
-    ``out[p, i, j] = offset_table[p, r_i - r_j + h - 1, c_i - c_j + w - 1]``; only broadcast index
-    tensors of size ``h^2`` and ``w^2`` are built, never an ``(hw, hw, 2)`` offset tensor.
+    ``out[p, i, j] = offset_table[p, r_i - r_j + h - 1, c_i - c_j + w - 1]``, written one grid row of
+    queries at a time (``w x hw`` per step), so nothing larger than the result is ever allocated; ``out``
+    may be a view (e.g. the patch block of a map with prefix tokens).
     """
+    P = offset_table.shape[0]
+    n = h * w
+    if out is None:
+        out = torch.empty(P, n, n, dtype=offset_table.dtype, device=offset_table.device)
     r = torch.arange(h, device=offset_table.device)
     c = torch.arange(w, device=offset_table.device)
-    ri = (r[:, None] - r[None, :] + h - 1).view(h, 1, h, 1)  # (h, 1, h, 1): r_i - r_j
-    ci = (c[:, None] - c[None, :] + w - 1).view(1, w, 1, w)  # (1, w, 1, w): c_i - c_j
-    out = offset_table[:, ri, ci]  # (P, h, w, h, w)
-    return out.reshape(offset_table.shape[0], h * w, h * w)
+    cols = c[:, None] - c[None, :] + (w - 1)  # (w_i, w_j): c_i - c_j
+    for ri in range(h):
+        block = offset_table[:, ri - r + (h - 1)]  # (P, h_j, 2w-1): row offsets r_i - r_j
+        block = block[:, :, cols]  # (P, h_j, w_i, w_j)
+        out[:, ri * w : (ri + 1) * w] = block.permute(0, 2, 1, 3).reshape(P, w, n)
+    return out
 
 
 def compact_index_dtype(max_value: int) -> torch.dtype:
