@@ -47,6 +47,7 @@ __all__ = [
     "fit",
     "move_to",
     "export_weights",
+    "seed_everything",
 ]
 
 
@@ -145,6 +146,13 @@ def _deep_merge(a: dict, b: dict) -> dict:
     for k, v in b.items():
         out[k] = _deep_merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
     return out
+
+
+def seed_everything(seed: int) -> None:
+    """Seed torch, numpy and random: call before building the model so its initialisation is reproducible."""
+    torch.manual_seed(seed)
+    np.random.seed(seed % 2**32)
+    random.seed(seed)
 
 
 # --------------------------------------------------------------------------- data order
@@ -311,9 +319,7 @@ def fit(
     rank, world, device = setup_distributed()
     out_dir = Path(train.out_dir)
     ckpt_dir = out_dir / "checkpoints"
-    torch.manual_seed(train.seed)
-    np.random.seed(train.seed % 2**32)
-    random.seed(train.seed)
+    seed_everything(train.seed + 1)  # the training stream (dropout, drop-path) after the model's init
 
     optimizer = torch.optim.AdamW(param_groups(model, train.weight_decay), lr=train.lr, betas=(0.9, 0.999))
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, cosine_schedule(train))

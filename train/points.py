@@ -16,7 +16,7 @@ from typing import Literal
 from torch.utils.data import DataLoader, Subset
 
 from train.cli import main_guard, parse
-from train.engine import TrainSection, fit, move_to
+from train.engine import TrainSection, fit, move_to, seed_everything
 from train.tasks import Classifier, evaluate_classification, shard
 
 
@@ -100,6 +100,7 @@ def collate(items):
 
 def main(argv=None) -> None:
     cfg, raw = parse(PointsConfig, argv, description=__doc__)
+    seed_everything(cfg.train.seed)  # reproducible model initialisation
     train_set, val_set = build_datasets(cfg.data)
     num_classes = train_set.num_classes
     model = Classifier(build_model(cfg, num_classes), label_smoothing=cfg.model.label_smoothing)

@@ -18,7 +18,7 @@ from torch.utils.data import DataLoader, Dataset, Subset
 
 from train.cli import main_guard, parse
 from train.config import ConfigError
-from train.engine import TrainSection, fit, move_to
+from train.engine import TrainSection, fit, move_to, seed_everything
 from train.tasks import Classifier, evaluate_classification, shard
 
 
@@ -130,6 +130,7 @@ def collate(items):
 
 def main(argv=None) -> None:
     cfg, raw = parse(ViTConfig, argv, description=__doc__)
+    seed_everything(cfg.train.seed)  # reproducible model initialisation
     train_set, val_set, num_classes = build_datasets(cfg.data)
     model = Classifier(build_model(cfg, num_classes), label_smoothing=cfg.model.label_smoothing)
 

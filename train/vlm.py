@@ -27,7 +27,7 @@ from torch.utils.data import DataLoader, Dataset, Subset
 
 from train.cli import main_guard, parse
 from train.config import ConfigError
-from train.engine import TrainSection, fit, move_to
+from train.engine import TrainSection, fit, move_to, seed_everything
 from train.tasks import shard
 
 
@@ -169,6 +169,7 @@ def evaluate_answers(module, batches, device: torch.device) -> dict[str, float]:
 
 def main(argv=None) -> None:
     cfg, raw = parse(VLMConfig, argv, description=__doc__)
+    seed_everything(cfg.train.seed)  # reproducible model initialisation
     tokenizer = build_tokenizer(cfg.data)
     model = build_model(cfg, tokenizer)
     train_set, val_set = build_datasets(cfg)
