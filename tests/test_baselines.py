@@ -413,6 +413,52 @@ def test_fixed_frequency_buffers_survive_downcasts_exactly(name, opts):
     assert after.dtype == torch.float32 and torch.equal(after, before)
 
 
+# =========================================================================== apply_rope fast path
+def _apply_rope_reference(x, cos, sin):
+    """The rotation as a plain autograd graph (chunk / mul / cat), in the promoted precision."""
+    rot = 2 * cos.shape[-1]
+    xr = x[..., :rot].to(torch.promote_types(x.dtype, cos.dtype))
+    x1, x2 = xr.chunk(2, dim=-1)
+    out = torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
+    return torch.cat([out, x[..., rot:]], dim=-1) if rot != x.shape[-1] else out
+
+
+@pytest.mark.parametrize(
+    "x_shape,t_shape",
+    [((2, 3, 5, 8), (1, 1, 5, 4)), ((2, 3, 5, 10), (2, 3, 5, 3)), ((1, 3, 5, 8), (4, 1, 5, 4))],
+    ids=["shared-tables", "partial-rotary", "tables-broadcast-x"],
+)
+def test_apply_rope_hand_written_backward_matches_autograd(x_shape, t_shape):
+    from vlpe.encodings.functional.rope import apply_rope
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(x_shape, generator=g, dtype=torch.float64, requires_grad=True)
+    cos = torch.randn(t_shape, generator=g, dtype=torch.float64, requires_grad=True)
+    sin = torch.randn(t_shape, generator=g, dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradcheck(apply_rope, (x, cos, sin))
+    torch.testing.assert_close(apply_rope(x, cos, sin), _apply_rope_reference(x, cos, sin), rtol=0, atol=1e-12)
+    with torch.no_grad():
+        torch.testing.assert_close(apply_rope(x, cos, sin), _apply_rope_reference(x, cos, sin), rtol=0, atol=1e-12)
+
+
+def test_apply_rope_bf16_input_rotates_in_table_precision():
+    from vlpe.encodings.functional.rope import apply_rope
+
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(2, 3, 7, 16, generator=g).bfloat16().requires_grad_()
+    ang = torch.rand(1, 1, 7, 8, generator=g) * 100
+    out = apply_rope(x, ang.cos(), ang.sin())
+    ref = _apply_rope_reference(x, ang.cos(), ang.sin())
+    assert out.dtype == torch.bfloat16 and torch.equal(out, ref)
+    gout = torch.randn(out.shape, generator=g).bfloat16()
+    (gx,) = torch.autograd.grad(out, x, gout)
+    (gr,) = torch.autograd.grad(ref, x, gout)
+    assert gx.dtype == torch.bfloat16
+    torch.testing.assert_close(gx.float(), gr.float(), rtol=0, atol=2e-2)
+    with pytest.raises(ValueError, match="channels"):
+        apply_rope(x, torch.ones(1, 1, 7, 9), torch.ones(1, 1, 7, 9))
+
+
 # =========================================================================== registry
 @pytest.mark.parametrize("name", ["ape", "sincos", "fourier", "rope_mixed", "alibi"])
 def test_baselines_registered_and_reject_unknown_options(name):

@@ -1,8 +1,10 @@
 """Rotary primitives shared by every rotary encoding (axial, mixed, multimodal, ComRoPE's RoPE part).
 
 Layout: vlpe's canonical layout is *half* (NeoX / Hugging Face / DINOv3): rotation pair ``m`` is the
-channel pair ``(m, m + D/2)``. Tables are stored at half width, ``(..., N, D/2)``, and applied with one
-``chunk`` + ``cat`` (measured ~1.6x cheaper than the interleaved ``stack`` + ``reshape`` on CPU).
+channel pair ``(m, m + D/2)``. Tables are stored at half width, ``(..., N, D/2)``, and applied by
+``mul`` + ``add_``/``sub_`` straight into one output buffer, with a hand-written backward (the inverse rotation);
+on CPU this halves the cost of the autograd ``chunk``/``mul``/``cat`` graph in a training step, and the half
+layout is ~1.6x cheaper than the interleaved ``stack`` + ``reshape``.
 timm's default *interleaved* layout (pairs ``(2m, 2m+1)``) is reachable with :func:`to_interleaved`.
 
 Numerics: angles are products of fp32 coordinates and fp32 frequencies computed with autocast disabled;
@@ -79,22 +81,83 @@ def cos_sin(angles: Tensor) -> tuple[Tensor, Tensor]:
         return angles.cos(), angles.sin()
 
 
+def _rotate(x: Tensor, cos: Tensor, sin: Tensor, *, inverse: bool = False) -> Tensor:
+    """Half-layout rotation by ``+angle`` (``-angle`` when ``inverse``) written straight into one output buffer.
+
+    Elementwise ``mul``/``sub_``/``add_`` per half in the promoted precision (rounding exactly like the plain
+    formula), no ``cat``; then one cast back to ``x.dtype`` when the tables are wider. Not differentiable itself (``out=``); see
+    :class:`_RoPEFunction`.
+    """
+    P = cos.shape[-1]
+    rot, D = 2 * P, x.shape[-1]
+    dt = torch.promote_types(x.dtype, cos.dtype)
+    lead = torch.broadcast_shapes(x.shape[:-1], cos.shape[:-1], sin.shape[:-1])
+    out = torch.empty(*lead, D, dtype=dt, device=x.device)  # (..., N, D)
+    x1, x2 = x[..., :P], x[..., P:rot]
+    o1, o2 = out[..., :P], out[..., P:rot]
+    tmp = torch.empty(o1.shape, dtype=dt, device=x.device)  # (..., N, D/2)
+    torch.mul(x1, cos, out=o1)
+    torch.mul(x2, sin, out=tmp)
+    o1.add_(tmp) if inverse else o1.sub_(tmp)  # x1 cos - x2 sin   (inverse: + x2 sin)
+    torch.mul(x2, cos, out=o2)
+    torch.mul(x1, sin, out=tmp)
+    o2.sub_(tmp) if inverse else o2.add_(tmp)  # x2 cos + x1 sin  (inverse: - x1 sin)
+    if rot != D:
+        out[..., rot:] = x[..., rot:]  # partial rotary: the rest passes through
+    return out if dt == x.dtype else out.to(x.dtype)
+
+
+class _RoPEFunction(torch.autograd.Function):
+    """Rotation with a hand-written backward: the gradient of a rotation is the inverse rotation.
+
+    Saves only the tables (and ``x`` when the tables themselves need a gradient, as learned frequencies do),
+    about half the backward work of the autograd graph of ``chunk``/``mul``/``cat``.
+    """
+
+    @staticmethod
+    def forward(ctx, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+        tables_grad = ctx.needs_input_grad[1] or ctx.needs_input_grad[2]
+        ctx.save_for_backward(x if tables_grad else None, cos, sin)
+        ctx.x_meta = (x.shape, x.dtype)
+        return _rotate(x, cos, sin)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, g: Tensor):
+        x, cos, sin = ctx.saved_tensors
+        x_shape, x_dtype = ctx.x_meta
+        gx = gc = gs = None
+        if ctx.needs_input_grad[0]:
+            gx = _rotate(g.to(x_dtype), cos, sin, inverse=True)
+            if gx.shape != x_shape:
+                gx = gx.sum_to_size(x_shape)
+        if ctx.needs_input_grad[1] or ctx.needs_input_grad[2]:
+            P = cos.shape[-1]
+            dt = torch.promote_types(g.dtype, cos.dtype)
+            g1, g2 = g[..., :P].to(dt), g[..., P : 2 * P].to(dt)
+            x1, x2 = x[..., :P].to(dt), x[..., P : 2 * P].to(dt)
+            if ctx.needs_input_grad[1]:
+                gc = torch.addcmul(g1 * x1, g2, x2).sum_to_size(cos.shape).to(cos.dtype)
+            if ctx.needs_input_grad[2]:
+                gs = torch.addcmul(g2 * x1, g1, x2, value=-1).sum_to_size(sin.shape).to(sin.dtype)
+        return gx, gc, gs
+
+
 def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     """Rotate ``x`` (..., N, D) by half-width tables ``cos``/``sin`` (..., N, D/2) in the half layout.
 
     Pair ``m`` = channels ``(m, m + D/2)``: ``(x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin)``.
-    Channels beyond ``2 * cos.shape[-1]`` (partial rotary) pass through unchanged.
+    Channels beyond ``2 * cos.shape[-1]`` (partial rotary) pass through unchanged. Leading dims broadcast.
+    Under autograd the backward is the inverse rotation (first-order gradients only, also for the tables).
     """
-    rot = 2 * cos.shape[-1]
-    dtype = x.dtype
-    xr = x[..., :rot] if rot != x.shape[-1] else x
-    if xr.dtype != cos.dtype:
-        xr = xr.to(cos.dtype)
-    x1, x2 = xr.chunk(2, dim=-1)  # (..., N, D/2) each
-    out = torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(dtype)
-    if rot != x.shape[-1]:
-        out = torch.cat([out, x[..., rot:]], dim=-1)
-    return out
+    if 2 * cos.shape[-1] > x.shape[-1] or cos.shape[-1] != sin.shape[-1]:
+        raise ValueError(
+            f"apply_rope: tables cos {tuple(cos.shape)} / sin {tuple(sin.shape)} must have the same width and "
+            f"rotate at most the {x.shape[-1]} channels of x"
+        )
+    if torch.is_grad_enabled() and (x.requires_grad or cos.requires_grad or sin.requires_grad):
+        return _RoPEFunction.apply(x, cos, sin)
+    return _rotate(x, cos, sin)
 
 
 def rotate_half(x: Tensor) -> Tensor:
