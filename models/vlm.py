@@ -331,8 +331,8 @@ class VLM(nn.Module):
         patch_size, temporal_patch_size, merge_size, in_chans: patching (the collator must use the same).
         attn_implementation: the decoder's attention (``"sdpa"`` or ``"eager"``).
         initializer_range: std of the decoder's initial weights; None: ``hidden_size ** -0.5`` (unit gain per
-            projection; Hugging Face's 0.02 is sized for widths near 2,500 and leaves a narrow decoder's attention
-            path near zero at the start).
+            projection; Hugging Face's usual 0.02 is that only at widths near 2,500, and in a narrow decoder it
+            starts the attention path so close to zero that training stalls at chance for hundreds of steps).
     """
 
     def __init__(
@@ -414,6 +414,7 @@ class VLM(nn.Module):
         self.hf = hf
         vlpe_hf.apply(hf, v, **dict(variant_options or {}))
         self._patch = vlpe_hf.patch_of(hf)
+        self.variant = self._patch.variant  # with an ``allocation`` option applied
 
     # -- properties ------------------------------------------------------------------------------------------------
     @property

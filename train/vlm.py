@@ -10,7 +10,8 @@ LongVA's exact match (teacher-forced argmax on every answer token) on held-out n
 summed over ranks. Position ids are computed by the collator in the DataLoader workers
 (:func:`vlpe.encodings.multimodal.position_ids`) and handed to the model.
 
-The default configs are CPU-sized (8 frames of 16x16, a 2-layer decoder, a few minutes on 2 cores);
+The default configs are CPU-sized (8 frames of 16x16, a 2-layer decoder, a few minutes on 2 cores; on a shared
+machine ``OMP_NUM_THREADS=1`` is much faster than oversubscribed threads);
 ``configs/full/`` holds the GPU-sized variants. The trained weights are exported to
 ``<out_dir>/model.safetensors`` with ``<out_dir>/config.yaml`` beside them; :func:`build_model` rebuilds the
 model from that config (``eval/long_video.py`` tests it at longer lengths).
