@@ -56,7 +56,7 @@ __all__ = [
     "answer_accuracy",
 ]
 
-# Sizes. ``tiny`` trains on 2 CPU cores in minutes; ``full`` is GPU-sized (~60M parameters).
+# Sizes. ``tiny`` (0.27M parameters) trains on 2 CPU cores in minutes; ``full`` (43M) is GPU-sized.
 PRESETS: dict[str, dict[str, Any]] = {
     "tiny": dict(
         hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=4, intermediate_size=128,

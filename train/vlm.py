@@ -172,6 +172,7 @@ def main(argv=None) -> None:
     cfg, raw = parse(VLMConfig, argv, description=__doc__)
     seed_everything(cfg.train.seed)  # reproducible model initialisation
     tokenizer = build_tokenizer(cfg.data)
+    torch.manual_seed(cfg.train.seed)  # the initial weights are part of the run (fit seeds only what follows)
     model = build_model(cfg, tokenizer)
     train_set, val_set = build_datasets(cfg)
     collate = model.collator()
