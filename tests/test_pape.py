@@ -203,10 +203,12 @@ def test_distance_decay_and_directional_asymmetry():
     q = torch.randn(1, 2, 3, 16, dtype=torch.float64)
     z = torch.zeros_like(q)
     e = attention_logits(enc, q, z, sym)[0, :, 0] * 4.0  # (H, 3) positional term of query 0 (times sqrt(Dh))
-    a, b = enc.coefficients(q, 0)  # (1, 3, H, M)
+    x = q.transpose(1, 2).reshape(1, 3, 32)  # the token: all heads' query
+    b = (x @ enc.coeff_b[0].double()).reshape(1, 3, 2, 3)  # (1, N, H, M) slopes
     w = enc.position[0]  # (H, M, 2)
     d = torch.tensor([-2.0, -1.0], dtype=torch.float64)  # p_0 - p_1
     bdotd = (b[0, 0] * (w @ d)).sum(-1)  # (H,)
+    assert torch.allclose(enc.coefficients(q, 0)[1][0, 0] @ d, bdotd, atol=1e-12)
     assert torch.allclose(e[:, 1] - e[:, 2], 2 * bdotd, atol=1e-10)
 
 

@@ -235,6 +235,13 @@ class PaPE(_ParabolicBase):
         self.register_buffer(
             "_sym_weight", torch.tensor([1.0 if r == s else 2.0 for r, s in zip(rows, cols)]), persistent=False
         )
+        # packed -> full symmetric (A, A): entry (r, s) reads packed pair {r, s}, halved off the diagonal
+        pair = {(r, s): i for i, (r, s) in enumerate(zip(rows, cols))}
+        index = [pair[(min(r, s), max(r, s))] for r in range(A) for s in range(A)]
+        self.register_buffer("_unpack_index", torch.tensor(index), persistent=False)
+        self.register_buffer(
+            "_unpack_scale", torch.tensor([1.0 if r == s else 0.5 for r in range(A) for s in range(A)]), persistent=False
+        )
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
@@ -254,34 +261,47 @@ class PaPE(_ParabolicBase):
         outer = c[..., self._rows] * c[..., self._cols]  # (B, N, P(P+1)/2)
         return torch.cat([torch.ones_like(c[..., :1]), -outer, c], dim=-1)  # (B, N, 1 + P(P+1)/2 + P)
 
-    def coefficients(self, q: Tensor, layer: int) -> tuple[Tensor, Tensor]:
-        """Curvatures ``a`` (softplus, > 0) and slopes ``b``, each ``(B, N, H, M)`` fp32, from q (B, H, N, Dh)."""
+    def _project(self, q: Tensor, layer: int) -> tuple[Tensor, Tensor]:
+        """``(a (B, N, H*M), b (B, N, H, A))`` fp32: one GEMM of the token with ``[coeff_a | coeff_b w]``."""
         x = self._tokens(q)  # (B, N, C)
-        B, N, _ = x.shape
-        wa, wb = self.coeff_a[layer], self.coeff_b[layer]
-        if x.dtype != wa.dtype and not torch.is_autocast_enabled(x.device.type):
-            x = x.to(wa.dtype)
-        a = F.softplus(fp32(x @ wa)).reshape(B, N, self.num_heads, self.num_parabolas)
-        b = fp32(x @ wb).reshape(B, N, self.num_heads, self.num_parabolas)
-        return a, b
+        B, N, C = x.shape
+        H, M, A = self.num_heads, self.num_parabolas, self.num_axes
+        with torch.autocast(q.device.type, enabled=False):
+            # b_i = sum_m b_im w_m only enters the bias, so the slope projection is folded through w once
+            # (C, H*M) -> (C, H*A), as the reference's efficient path does
+            b_fold = torch.einsum("chm,hma->cha", self.coeff_b[layer].reshape(C, H, M), self.position[layer])
+            weight = torch.cat([self.coeff_a[layer], b_fold.reshape(C, H * A)], dim=1)  # (C, H*M + H*A)
+        if x.dtype != weight.dtype and not torch.is_autocast_enabled(x.device.type):
+            x = x.to(weight.dtype)
+        y = fp32(x @ weight)  # (B, N, H*M + H*A)
+        return F.softplus(y[..., : H * M]), y[..., H * M :].reshape(B, N, H, A)
+
+    def coefficients(self, q: Tensor, layer: int) -> tuple[Tensor, Tensor]:
+        """Curvatures ``a`` (softplus, > 0) ``(B, N, H, M)`` and slopes in position space ``b_i = sum_m b_im w_m``
+        ``(B, N, H, A)``, fp32, from q (B, H, N, Dh)."""
+        a, b = self._project(q, layer)
+        return a.unflatten(-1, (self.num_heads, self.num_parabolas)), b
 
     def widen(self, q: Tensor, k: Tensor, ctx: Context, layer: int) -> tuple[Tensor, Tensor]:
         self._check_layer(layer)
         low = _matmul_dtype(q)  # read before autocast is switched off below
-        a, b = self.coefficients(q, layer)  # (B, N, H, M) each
+        a, bp = self._project(q, layer)  # (B, N, H*M), (B, N, H, A)
+        B, N = a.shape[:2]
+        H, A = self.num_heads, self.num_axes
         with torch.autocast(q.device.type, enabled=False):
             c = ctx["coords"]  # (B, N, A)
             w = self.position[layer]  # (H, M, A), fp32 (fp64 in a .double() module)
             dt = torch.promote_types(c.dtype, w.dtype)
-            c, w, a, b = c.to(dt), w.to(dt), a.to(dt), b.to(dt)
-            u = torch.einsum("bna,hma->bnhm", c, w)  # (B, N, H, M) projected coordinates
-            au = a * u
-            ac = torch.einsum("bnhm,hma->bnha", au, w)  # (B, N, H, A)  A_i c_i
-            bp = torch.einsum("bnhm,hma->bnha", b, w)  # (B, N, H, A)  b_i
-            ww = w[..., self._rows] * w[..., self._cols] * self._sym_weight.to(dt)  # (H, M, P(P+1)/2)
-            asym = torch.einsum("bnhm,hmk->bnhk", a, ww)  # (B, N, H, P(P+1)/2)
-            f0 = (bp * c.unsqueeze(2)).sum(-1, keepdim=True) - (au * u).sum(-1, keepdim=True)  # (B, N, H, 1)
-            qf = torch.cat([f0, asym, 2.0 * ac - bp], dim=-1).transpose(1, 2)  # (B, H, N, W)
+            c, w, a, bp = c.to(dt), w.to(dt), a.to(dt), bp.to(dt)
+            # A_i = sum_m a_im w_m w_m^T, packed (upper triangle, off-diagonal doubled): one GEMM against the
+            # block-diagonal (H*M, H*K) matrix of the w_m w_m^T, so nothing of size (B, N, H, M) is built
+            ww = w[..., self._rows] * w[..., self._cols] * self._sym_weight.to(dt)  # (H, M, K)
+            eye = torch.eye(H, dtype=dt, device=w.device)
+            packed = (a @ torch.einsum("hmk,hg->hmgk", ww, eye).flatten(0, 1).flatten(1)).unflatten(-1, (H, -1))
+            full = (packed[..., self._unpack_index] * self._unpack_scale.to(dt)).unflatten(-1, (A, A))  # (B,N,H,A,A)
+            ac = torch.einsum("bnhrs,bns->bnhr", full, c)  # (B, N, H, A)  A_i c_i
+            f0 = ((bp - ac) * c.unsqueeze(2)).sum(-1, keepdim=True)  # (B, N, H, 1)  b_i . c_i - c_i^T A_i c_i
+            qf = torch.cat([f0, packed, 2.0 * ac - bp], dim=-1).transpose(1, 2)  # (B, H, N, 1 + K + A)
             return self._widened(q, k, qf, ctx, low)
 
     def neutralize(self) -> "PaPE":
