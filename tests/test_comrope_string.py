@@ -186,8 +186,17 @@ def test_string_with_zero_skew_equals_rope():
 # --------------------------------------------------------------------------- shared
 @pytest.mark.parametrize("name,opts", [("comrope", {}), ("comrope", {"block": 4, "variant": "ld"}), ("string", {})])
 def test_parameters_stay_fp32_and_tables_once_per_forward(name, opts):
-    enc = build(name, dim=64, num_heads=4, depth=2, **opts).bfloat16()
-    assert all(p.dtype == torch.float32 for p in enc.parameters())
+    enc = build(name, dim=64, num_heads=4, depth=2, **opts)
+    if name == "string":
+        with torch.no_grad():
+            enc.skew.normal_(0, 0.1)
+    before = {n: t.detach().clone() for n, t in list(enc.named_parameters()) + list(enc.named_buffers())}
+    params = list(enc.parameters())
+    enc.bfloat16()
+    after = dict(list(enc.named_parameters()) + list(enc.named_buffers()))
+    for n, t in before.items():  # exact fp32 values, not bf16-rounded ones, and the same Parameter objects
+        assert after[n].dtype == torch.float32 and torch.equal(after[n].detach(), t), n
+    assert all(a is b for a, b in zip(params, enc.parameters()))
     pos = Positions.grid(4, 4, prefix=1)
     ctx = enc.prepare(pos)
     for v in ctx.tables.values():

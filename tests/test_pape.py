@@ -241,10 +241,14 @@ def test_batched_positions_and_training_gradients():
 
 
 def test_parameters_stay_fp32_and_bf16_model_runs():
-    enc = build("pape", dim=64, num_heads=4, depth=1).bfloat16()
-    ri = build("pape_ri", dim=64, num_heads=4, depth=1).bfloat16()
-    assert all(p.dtype == torch.float32 for p in enc.parameters())
-    assert ri.scales.dtype == torch.float32 and ri.coeff.dtype == torch.float32
+    enc = build("pape", dim=64, num_heads=4, depth=1)
+    ri = build("pape_ri", dim=64, num_heads=4, depth=1)
+    for e in (enc, ri):
+        before = {n: t.detach().clone() for n, t in e.state_dict().items()}
+        e.half()
+        e.bfloat16()
+        for n, t in e.state_dict().items():  # exact fp32 values, not rounded ones
+            assert t.dtype == torch.float32 and torch.equal(t, before[n]), n
     pos = Positions.grid(6, 6, prefix=1).shifted([300.0, 300.0])
     q, k = _qk(1, 4, pos.num_tokens, 16, dtype=torch.float32)
     for e in (enc, ri):

@@ -32,7 +32,32 @@ from .base import Context, Encoding, fp32
 from .functional.rope import apply_rope, cos_sin, rope_angles
 from .registry import register
 
-__all__ = ["ComRoPE", "normalized_grid_coords"]
+__all__ = ["ComRoPE", "normalized_grid_coords", "apply_keeping_fp32"]
+
+_FULL = (torch.float32, torch.float64)
+
+
+def apply_keeping_fp32(module: nn.Module, apply, fn, recurse: bool) -> nn.Module:
+    """``nn.Module._apply`` (passed as ``apply``) that keeps ``module``'s own floating parameters and buffers
+    at their exact fp32 values when ``fn`` casts to bf16/fp16 (same Parameter objects; device moves apply).
+
+    For angle generators, bases and coordinate projections, whose rounding would break exact relativity or
+    the cancellation of large terms. Values are restored from before the cast, not upcast from rounded ones.
+    """
+    params = {n: (p.data, p.grad) for n, p in module.named_parameters(recurse=False)}
+    buffers = {n: b for n, b in module.named_buffers(recurse=False) if b is not None and b.is_floating_point()}
+    apply(fn, recurse)
+    for n, p in module.named_parameters(recurse=False):
+        if p.dtype not in _FULL:
+            data, grad = params[n]
+            p.data = data.to(device=p.device, dtype=torch.float32)
+            if p.grad is not None:
+                p.grad = (grad if grad is not None else p.grad).to(device=p.device, dtype=torch.float32)
+    for n, b in buffers.items():
+        now = getattr(module, n)
+        if now.dtype not in _FULL:
+            setattr(module, n, b.to(device=now.device, dtype=torch.float32))
+    return module
 
 
 def normalized_grid_coords(pos, *, prefix_value: float = 0.5, dtype: torch.dtype = torch.float32) -> Tensor:
@@ -129,15 +154,7 @@ class ComRoPE(Encoding):
                 self.multipliers.normal_(0.0, 1.0)
 
     def _apply(self, fn, recurse=True):
-        super()._apply(fn, recurse)
-        for p in self.parameters(recurse=False):
-            if p.dtype not in (torch.float32, torch.float64):
-                p.data = p.data.float()  # generators never drop below fp32 (same Parameter object)
-                if p.grad is not None:
-                    p.grad = p.grad.float()
-        if self.variant == "ap" and self.axis_mask.dtype not in (torch.float32, torch.float64):
-            self.axis_mask = self.axis_mask.float()
-        return self
+        return apply_keeping_fp32(self, super()._apply, fn, recurse)  # generators never drop below fp32
 
     # ------------------------------------------------------------------ math
     def skew(self) -> Tensor:

@@ -40,6 +40,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .base import Context, Encoding, fp32
+from .comrope import apply_keeping_fp32
 from .registry import register
 
 __all__ = ["PaPE", "PaPERI", "centred_coords"]
@@ -119,18 +120,9 @@ class _ParabolicBase(Encoding):
             )
         self.prefix_position = prefix_position
 
-    # parameters and buffers stay fp32 through .half()/.bfloat16(): the features cancel large terms
     def _apply(self, fn, recurse=True):
-        super()._apply(fn, recurse)
-        for p in self.parameters(recurse=False):
-            if p.dtype not in (torch.float32, torch.float64):
-                p.data = p.data.float()
-                if p.grad is not None:
-                    p.grad = p.grad.float()
-        for name, b in self.named_buffers(recurse=False):
-            if b.is_floating_point() and b.dtype not in (torch.float32, torch.float64):
-                setattr(self, name, b.float())
-        return self
+        # parameters and buffers keep exact fp32 values through .half()/.bfloat16(): the features cancel large terms
+        return apply_keeping_fp32(self, super()._apply, fn, recurse)
 
     def _key_features(self, c: Tensor) -> Tensor:
         """Position-only key features ``(B, N, W_k)`` from centred coordinates (override)."""

@@ -17,6 +17,7 @@ import torch
 from torch import Tensor, nn
 
 from .base import Context, Encoding, fp32
+from .comrope import apply_keeping_fp32
 from .functional.rope import apply_rope, axial_inv_freq, cos_sin, rope_angles
 from .registry import register
 
@@ -64,15 +65,7 @@ class CayleySTRING(Encoding):
         self.skew = nn.Parameter(torch.zeros(depth, num_heads, self.head_dim, self.head_dim))
 
     def _apply(self, fn, recurse=True):
-        super()._apply(fn, recurse)
-        if self.freqs.dtype not in (torch.float32, torch.float64):
-            self.freqs = self.freqs.float()
-        p = self.skew
-        if p.dtype not in (torch.float32, torch.float64):
-            p.data = p.data.float()  # the basis never drops below fp32 (same Parameter object)
-            if p.grad is not None:
-                p.grad = p.grad.float()
-        return self
+        return apply_keeping_fp32(self, super()._apply, fn, recurse)  # basis and frequencies stay exact fp32
 
     def basis(self) -> Tensor:
         """``P`` (depth, H, D, D), orthogonal, fp32 (fp64 in a ``.double()`` module), autocast off."""
