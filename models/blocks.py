@@ -15,7 +15,7 @@ from torch import Tensor, nn
 import vlpe
 from vlpe.attention import Attention, Backend
 
-__all__ = ["Mlp", "DropPath", "LayerScale", "Block", "Encoder"]
+__all__ = ["Mlp", "DropPath", "LayerScale", "Block", "Encoder", "readout"]
 
 
 class Mlp(nn.Module):
@@ -132,3 +132,16 @@ class Encoder(nn.Module):
 
     def no_weight_decay(self) -> set[str]:
         return {f"encoding.{n}" for n in self.encoding.no_weight_decay()}
+
+
+def readout(x: Tensor, pos: vlpe.Positions, mode: str) -> Tensor:
+    """Sequence feature ``(B, C)``: the first (CLS) token, or the mean of the valid non-prefix tokens."""
+    if mode == "cls":
+        return x[:, 0]
+    if mode != "gap":
+        raise ValueError(f"readout must be 'cls' or 'gap', got {mode!r}")
+    patches = x[:, pos.prefix :]  # (B, N - P, C)
+    if pos.valid is None:
+        return patches.mean(dim=1)
+    w = pos.valid[:, pos.prefix :].to(patches.dtype).unsqueeze(-1)  # (B, N - P, 1)
+    return (patches * w).sum(1) / w.sum(1).clamp_min(1.0)

@@ -15,7 +15,7 @@ from torch import Tensor, nn
 from vlpe.attention import Backend
 from vlpe.tokenizers import PointTokenizer
 
-from .blocks import Encoder
+from .blocks import Encoder, readout
 
 __all__ = ["PointTransformer"]
 
@@ -69,10 +69,4 @@ class PointTransformer(nn.Module):
         xyz, valid = points if isinstance(points, (tuple, list)) else (points, None)
         x, pos = self.tokenizer(xyz, valid=valid)  # (B, G', C)
         x = self.encoder(x, pos)
-        if self.readout == "cls":
-            return self.head(x[:, 0])
-        patches = x[:, pos.prefix :]
-        if pos.valid is None:
-            return self.head(patches.mean(1))
-        w = pos.valid[:, pos.prefix :].to(patches.dtype).unsqueeze(-1)  # (B, G, 1)
-        return self.head((patches * w).sum(1) / w.sum(1).clamp_min(1.0))
+        return self.head(readout(x, pos, self.readout))

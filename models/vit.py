@@ -15,14 +15,13 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-import torch
 from torch import Tensor, nn
 
 import vlpe
 from vlpe.attention import Backend
 from vlpe.tokenizers import ImageTokenizer
 
-from .blocks import Encoder
+from .blocks import Encoder, readout
 
 __all__ = ["ViT", "PRESETS", "vit"]
 
@@ -133,16 +132,7 @@ class ViT(nn.Module):
         return self.encoder(x, pos), pos
 
     def forward_head(self, x: Tensor, pos: vlpe.Positions) -> Tensor:
-        if self.readout == "cls":
-            feat = x[:, 0]
-        else:
-            patches = x[:, pos.prefix :]  # (B, N - P, C)
-            if pos.valid is None:
-                feat = patches.mean(dim=1)
-            else:
-                w = pos.valid[:, pos.prefix :].to(patches.dtype).unsqueeze(-1)  # (B, N - P, 1)
-                feat = (patches * w).sum(1) / w.sum(1).clamp_min(1.0)
-        return self.head(feat)
+        return self.head(readout(x, pos, self.readout))
 
     def forward(self, images: Tensor | list[Tensor]) -> Tensor:
         x, pos = self.forward_features(images)

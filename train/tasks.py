@@ -9,7 +9,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-__all__ = ["Classifier", "evaluate_classification", "shard"]
+__all__ = ["Classifier", "evaluate_classification", "shard", "val_loader"]
 
 
 class Classifier(nn.Module):
@@ -38,6 +38,15 @@ class Classifier(nn.Module):
 def shard(n: int, rank: int, world: int) -> range:
     """This rank's strided share of ``range(n)``."""
     return range(rank, n, world)
+
+
+def val_loader(dataset, *, micro_batch: int, max_batches: int, collate: Callable, num_workers: int = 0):
+    """This rank's strided share of the first ``max_batches`` validation batches (all ranks together)."""
+    from torch.utils.data import DataLoader, Subset
+
+    rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+    idx = list(shard(len(dataset), rank, world))[: max_batches * micro_batch]
+    return DataLoader(Subset(dataset, idx), batch_size=micro_batch, collate_fn=collate, num_workers=num_workers)
 
 
 @torch.no_grad()

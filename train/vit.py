@@ -14,12 +14,12 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import torch
-from torch.utils.data import DataLoader, Dataset, Subset
+from torch.utils.data import Dataset, Subset
 
 from train.cli import main_guard, parse
 from train.config import ConfigError
 from train.engine import TrainSection, fit, move_to, seed_everything
-from train.tasks import Classifier, evaluate_classification, shard
+from train.tasks import Classifier, evaluate_classification, val_loader
 
 
 @dataclass(kw_only=True)
@@ -135,11 +135,7 @@ def main(argv=None) -> None:
     model = Classifier(build_model(cfg, num_classes), label_smoothing=cfg.model.label_smoothing)
 
     def validate(module, device):
-        import torch.distributed as dist
-
-        rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
-        idx = list(shard(len(val_set), rank, world))[: cfg.train.val_batches * cfg.train.micro_batch]
-        loader = DataLoader(Subset(val_set, idx), batch_size=cfg.train.micro_batch, collate_fn=collate)
+        loader = val_loader(val_set, micro_batch=cfg.train.micro_batch, max_batches=cfg.train.val_batches, collate=collate)
         return evaluate_classification(module, loader, device, to_device=move_to)
 
     patches = (cfg.data.img_size // cfg.model.patch_size) ** 2

@@ -24,12 +24,12 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import torch
-from torch.utils.data import DataLoader, Dataset, Subset
+from torch.utils.data import Dataset
 
 from train.cli import main_guard, parse
 from train.config import ConfigError
 from train.engine import TrainSection, fit, move_to, seed_everything
-from train.tasks import shard
+from train.tasks import val_loader
 
 
 @dataclass(kw_only=True)
@@ -172,21 +172,19 @@ def main(argv=None) -> None:
     cfg, raw = parse(VLMConfig, argv, description=__doc__)
     seed_everything(cfg.train.seed)  # reproducible model initialisation
     tokenizer = build_tokenizer(cfg.data)
-    torch.manual_seed(cfg.train.seed)  # the initial weights are part of the run (fit seeds only what follows)
     model = build_model(cfg, tokenizer)
     train_set, val_set = build_datasets(cfg)
     collate = model.collator()
     answers = len(train_set.answers)
 
     def validate(module, device):
-        import torch.distributed as dist
-
-        rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
-        idx = list(shard(len(val_set), rank, world))[: cfg.train.val_batches * cfg.train.micro_batch]
-        loader = DataLoader(
-            Subset(val_set, idx), batch_size=cfg.train.micro_batch, collate_fn=collate,
+        loader = val_loader(
+            val_set,
+            micro_batch=cfg.train.micro_batch,
+            max_batches=cfg.train.val_batches,
+            collate=collate,
             num_workers=cfg.train.num_workers,
-        )  # fmt: skip
+        )
         return {**evaluate_answers(module, loader, device), "chance": 1.0 / answers}
 
     run_config: dict[str, Any] = {

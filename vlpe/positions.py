@@ -16,7 +16,6 @@ Conventions:
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 from typing import Sequence
 
 import torch
@@ -41,7 +40,6 @@ def _as_coords(coords: Tensor) -> Tensor:
     return coords
 
 
-@dataclass(frozen=True, eq=False)
 class Positions:
     """Per-token coordinates of a token sequence.
 
@@ -55,10 +53,14 @@ class Positions:
     """
 
     coords: Tensor
-    prefix: int = 0
-    grid: tuple[int, ...] | None = None
-    valid: Tensor | None = None
-    axes: tuple[str, ...] | None = None
+    prefix: int
+    #: the grid shape of an instance; on the class, ``Positions.grid(h, w)`` builds an image grid
+    grid: tuple[int, ...] | None
+    valid: Tensor | None
+    axes: tuple[str, ...] | None
+
+    def __setattr__(self, name: str, value) -> None:
+        raise AttributeError("Positions is immutable; use .replace(...) / .with_coords(...)")
 
     def __init__(
         self,

@@ -12,7 +12,7 @@ from .functional.rope import apply_rope, axial_inv_freq, cos_sin, inv_freq, rope
 from .registry import register
 
 
-class _RotaryBase(Encoding):
+class RotaryEncoding(Encoding):
     """Shared machinery: an ``(A, D/2)`` frequency buffer, fp32 tables once per forward, one apply per layer.
 
     The frequency buffer is non-persistent and kept fp32 through ``.half()``/``.bfloat16()`` (timm's
@@ -49,13 +49,13 @@ class _RotaryBase(Encoding):
             )
         return apply_rope(q, cos, sin), apply_rope(k, cos, sin)
 
-    def neutralize(self) -> "_RotaryBase":
+    def neutralize(self) -> "RotaryEncoding":
         self.freqs.zero_()
         return self
 
 
 @register("rope")
-class AxialRoPE(_RotaryBase):
+class AxialRoPE(RotaryEncoding):
     """Axial RoPE: head-dim rotation pairs split evenly over the A axes, ``theta ** (-k/P)`` per axis.
 
     Heo et al., "Rotary Position Embedding for Vision Transformer" (ECCV 2024, naver-ai/rope-vit
@@ -85,7 +85,7 @@ class AxialRoPE(_RotaryBase):
 
 
 @register("rope1d")
-class RoPE1D(_RotaryBase):
+class RoPE1D(RotaryEncoding):
     """Plain 1D RoPE of decoders (Su et al., RoFormer 2021): pair j rotates by ``p * theta ** (-2j/D)``.
 
     Checked against Hugging Face ``LlamaRotaryEmbedding`` + ``apply_rotary_pos_emb`` (half layout).

@@ -18,7 +18,7 @@ from ...positions import Positions
 from ..base import Context
 from ..functional.rope import apply_rope, cos_sin, inv_freq, rope_angles, to_half, to_interleaved
 from ..registry import register
-from ..rope import _RotaryBase
+from ..rope import RotaryEncoding
 from .allocations import allocation_map, axes_of, frequency_matrix
 from .variants import VARIANTS, Variant
 from .variants import position_ids as _position_ids
@@ -38,7 +38,7 @@ __all__ = [
 ]
 
 
-class MultimodalRoPE(_RotaryBase):
+class MultimodalRoPE(RotaryEncoding):
     """Base: a multimodal variant's allocation as an ``(A, D/2)`` frequency buffer (``(H, A, D/2)`` per head)."""
 
     variant: ClassVar[str] = ""
