@@ -88,7 +88,9 @@ def test_comrope_logits_equal_dense_reference(variant, block):
     q, k = _qk(1, 2, pos.num_tokens, 12)
     for layer in (0, 1):
         R = _dense_rotation(_dense_generators(enc, layer), p)  # (1, N, H, D, D)
-        assert torch.allclose(attention_logits(enc, q, k, pos, layer=layer), _logits_from_rotations(q, k, R), atol=1e-10)
+        assert torch.allclose(
+            attention_logits(enc, q, k, pos, layer=layer), _logits_from_rotations(q, k, R), atol=1e-10
+        )
 
 
 @pytest.mark.parametrize("variant,block", [("ap", 2), ("ld", 4)])
@@ -179,8 +181,12 @@ def test_string_with_zero_skew_equals_rope():
     pos = Positions.grid(5, 6, prefix=1).shifted([40.0, -3.0])
     q, k = _qk(2, 4, pos.num_tokens, 16, dtype=torch.float32)
     for layer in (0, 1):
-        assert torch.allclose(attention_logits(enc, q, k, pos, layer=layer), attention_logits(rope, q, k, pos), atol=1e-6)
-    assert (attention_logits(_string(dim=64, num_heads=4), q, k, pos) - attention_logits(rope, q, k, pos)).abs().max() > 1e-2
+        assert torch.allclose(
+            attention_logits(enc, q, k, pos, layer=layer), attention_logits(rope, q, k, pos), atol=1e-6
+        )
+    assert (
+        attention_logits(_string(dim=64, num_heads=4), q, k, pos) - attention_logits(rope, q, k, pos)
+    ).abs().max() > 1e-2
 
 
 # --------------------------------------------------------------------------- shared

@@ -61,7 +61,9 @@ def test_every_index_of_the_expanded_range_is_reachable(crop):
             assert ((seen - mean).abs() < 5 * sd).all(), seen
 
 
-@pytest.mark.parametrize("base,opts", [("rope", {}), ("sincos", {}), ("rope_mixed", {}), ("string", {})])
+@pytest.mark.parametrize(
+    "base,opts", [("rope", {}), ("sincos", {}), ("rope_mixed", {}), ("string", {}), ("pape", {}), ("alibi", {})]
+)
 def test_range_equal_to_grid_gives_the_base_exactly(base, opts):
     grid = (3, 4)
     enc = build("rpe2d", dim=64, num_heads=4, depth=2, base=base, length=grid).train()
@@ -153,7 +155,7 @@ def test_sampling_runs_without_host_syncs():
     enc = build("rpe2d", dim=32, num_heads=2, depth=1, crop=True).train()
     pos = _batched(Positions.grid(3, 4, prefix=1), 4)
     meta = _with_coords(pos, pos.coords.to("meta"))
-    coords, picked, box = enc.sample(meta)
+    coords, _, box = enc.sample(meta)
     assert coords.device.type == "meta" and coords.shape == pos.coords.shape and box.shape == (4, 4)
 
 

@@ -1,4 +1,4 @@
-"""PaPE and PaPE-RI: parabolic attention biases folded into widened q/k (no N x N tensor, fused SDPA kept).
+"""PaPE and PaPE-RI: parabolic attention biases folded into widened q/k (no N x N bias, one SDPA call).
 
 Koo Øhrstrøm et al., "Parabolic Position Encoding" (arXiv 2602.01418), reference implementation
 DTU-PAS/parabolic-position-encoding (``pape/nn/positions/pape_naive.py``, ``pape_efficient.py``,
@@ -16,11 +16,15 @@ query feature and a key feature::
     k~_j = [k_j,  1,                           -sym(c_j c_j^T),   c_j           ]
 
 (``sym`` packs the upper triangle, off-diagonal entries of A doubled), so only ``1 + P(P+1)/2 + P`` extra
-channels are appended (6 for images, 10 for video) and zero-padded to a multiple of 8. The expansion of
+channels are appended (6 for images, 10 for video; the reference's naive form appends ``3M + 2`` = 152) and
+zero-padded to a multiple of 8. The expansion of
 ``||c_i - c_j||^2`` cancels terms of size ``|c|^2``, so the features are built in fp32 with autocast off from
 coordinates centred per sample on the centre of their bounding box; the bias is translation invariant, so the
 centring changes nothing mathematically, and for integer grids it is exact in fp32 (a grid offset by 1000
 gives bit-identical features). The key features depend on positions only and are built once per forward.
+When the q k^T matmul runs in bf16/fp16, every feature is split into two exactly representable parts (three
+channels per feature, see ``_widened``), which keeps the bias of near pairs as accurate as bf16 q . k itself
+(fp16 additionally limits |features| to 65504: keep coordinates moderate there).
 
 Coefficients and the token: the reference computes ``a, b`` from the normalised hidden state entering
 attention. The ``widen`` hook sees the projected ``q, k``; vlpe computes the coefficients from the token's
@@ -232,7 +236,9 @@ class PaPE(_ParabolicBase):
         index = [pair[(min(r, s), max(r, s))] for r in range(A) for s in range(A)]
         self.register_buffer("_unpack_index", torch.tensor(index), persistent=False)
         self.register_buffer(
-            "_unpack_scale", torch.tensor([1.0 if r == s else 0.5 for r in range(A) for s in range(A)]), persistent=False
+            "_unpack_scale",
+            torch.tensor([1.0 if r == s else 0.5 for r in range(A) for s in range(A)]),
+            persistent=False,
         )
         self.reset_parameters()
 
@@ -278,7 +284,6 @@ class PaPE(_ParabolicBase):
         self._check_layer(layer)
         low = _matmul_dtype(q)  # read before autocast is switched off below
         a, bp = self._project(q, layer)  # (B, N, H*M), (B, N, H, A)
-        B, N = a.shape[:2]
         H, A = self.num_heads, self.num_axes
         with torch.autocast(q.device.type, enabled=False):
             c = ctx["coords"]  # (B, N, A)

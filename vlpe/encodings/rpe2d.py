@@ -31,7 +31,7 @@ from .registry import build, get, register
 __all__ = ["RPE2D", "BASES"]
 
 #: Encodings that read the token coordinates (``ape`` reads rows of its table, see RPE2D).
-BASES = ("rope", "rope_mixed", "string", "comrope", "sincos", "fourier", "ape")
+BASES = ("rope", "rope_mixed", "string", "comrope", "sincos", "fourier", "ape", "alibi", "pape", "pape_ri")
 
 
 class _InstanceUses:
@@ -99,9 +99,7 @@ class RPE2D(Encoding):
                 get(base)  # unknown names get the registry's message with suggestions
             except ValueError as e:
                 raise ValueError(f"rpe2d: unknown base encoding {base!r}; choose one of {BASES}") from e
-            raise ValueError(
-                f"rpe2d re-samples coordinates, so the base must read them: one of {BASES}, got {base!r}"
-            )
+            raise ValueError(f"rpe2d re-samples coordinates, so the base must read them: one of {BASES}, got {base!r}")
         base_options = dict(base_options or {})
         fixed = {"dim", "num_heads", "depth", "num_axes"} & set(base_options)
         if fixed:
@@ -109,7 +107,9 @@ class RPE2D(Encoding):
         self.base = build(base, dim=dim, num_heads=num_heads, depth=depth, num_axes=num_axes, **base_options)
         self.base_name = base
         if expand is not None and length is not None:
-            raise ValueError("rpe2d takes either expand= (a factor of the grid) or length= (the range per axis), not both")
+            raise ValueError(
+                "rpe2d takes either expand= (a factor of the grid) or length= (the range per axis), not both"
+            )
         if length is not None:
             length = (int(length),) * num_axes if isinstance(length, (int, float)) else tuple(int(s) for s in length)
             if len(length) != num_axes or any(s < 1 for s in length):
@@ -190,7 +190,9 @@ class RPE2D(Encoding):
     def _prepare(self, ctx: Context) -> None:
         pos = ctx.pos
         if self.crop and pos.prefix == 0:
-            raise ValueError("rpe2d with crop=True adds the crop embedding to a prefix (CLS) token; positions have none")
+            raise ValueError(
+                "rpe2d with crop=True adds the crop embedding to a prefix (CLS) token; positions have none"
+            )
         if not ctx.training:
             ctx["inner"] = self.base.prepare(pos)
             ctx["box"] = torch.zeros(pos.batch, 2 * pos.num_axes, device=pos.device)

@@ -11,8 +11,6 @@ the logits equal those of the full ``R(r)`` exactly.
 
 from __future__ import annotations
 
-from typing import Literal
-
 import torch
 from torch import Tensor, nn
 
