@@ -65,7 +65,8 @@ def normalized_grid_coords(pos, *, prefix_value: float = 0.5, dtype: torch.dtype
 
     ``n_a`` is the grid extent along axis a, so a patch grid fills (0, 1) at any resolution (interpolation,
     not extrapolation). Prefix tokens sit at ``prefix_value`` on every axis (the reference's CLS at 0.5).
-    Computed in ``dtype`` (fp32, or fp64), autocast off.
+    Every axis is divided by its own extent (for video the reference divides the frame index by the spatial
+    patch count as well). Computed in ``dtype`` (fp32, or fp64), autocast off.
     """
     if pos.grid is None:
         raise ValueError(
@@ -74,8 +75,7 @@ def normalized_grid_coords(pos, *, prefix_value: float = 0.5, dtype: torch.dtype
         )
     with torch.autocast(pos.device.type, enabled=False):
         c = pos.coords.to(torch.promote_types(pos.coords.dtype, dtype))  # (B, N, A)
-        extent = torch.tensor(pos.grid, dtype=c.dtype, device=c.device)  # (A,)
-        out = (c + 0.5) / extent
+        out = torch.stack([(c[..., a] + 0.5) / n for a, n in enumerate(pos.grid)], dim=-1)  # python extents
         if pos.prefix:
             out = out.clone()
             out[:, : pos.prefix] = prefix_value
