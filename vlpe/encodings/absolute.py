@@ -43,6 +43,8 @@ def resample_grid_embed(table: Tensor, old: Sequence[int], new: Sequence[int], *
     The same size returns ``table`` unchanged.
     """
     old, new = tuple(int(s) for s in old), tuple(int(s) for s in new)
+    if len(old) != len(new) or not 1 <= len(old) <= 3:
+        raise ValueError(f"resample_grid_embed needs two grids of the same 1-3 axes, got {old} -> {new}")
     if old == new:
         return table
     C = table.shape[-1]

@@ -119,12 +119,15 @@ class RoPEMixed(Encoding):
 
     def _prepare(self, ctx: Context) -> None:
         angles = rope_angles(ctx.pos.coords, self.freqs)  # (B, L, H, N, D/2)
-        ctx["cos"], ctx["sin"] = cos_sin(angles)
+        cos, sin = cos_sin(angles)
+        ctx["cos"], ctx["sin"] = cos, sin
+        # per-layer views from one unbind: their gradients meet in one stack, not L full-size selects
+        ctx["layers"] = tuple(zip(cos.unbind(1), sin.unbind(1)))  # L x ((B, H, N, D/2), (B, H, N, D/2))
 
     def rotate(self, q: Tensor, k: Tensor, ctx: Context, layer: int) -> tuple[Tensor, Tensor]:
         if not 0 <= layer < self.depth:
             raise ValueError(f"rope_mixed was built with depth={self.depth}, got layer={layer}")
-        cos, sin = ctx["cos"][:, layer], ctx["sin"][:, layer]  # (B, H, N, D/2)
+        cos, sin = ctx["layers"][layer]  # (B, H, N, D/2) each
         if self.layout == "interleaved":
             return (
                 to_interleaved(apply_rope(to_half(q), cos, sin)),
