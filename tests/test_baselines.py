@@ -122,7 +122,7 @@ def test_alibi_rotation_and_translation_invariant_in_3d():
     xyz = torch.randn(1, 16, 3, generator=g, dtype=torch.float64) * 3
     q, k, _ = _qkv(1, 4, 16, 8)
     base = vlpe.attention_logits(enc, q, k, Positions(xyz))
-    moved = (xyz @ _rotation(3, 5).T + torch.tensor([10.0, -4.0, 2.5], dtype=torch.float64))
+    moved = xyz @ _rotation(3, 5).T + torch.tensor([10.0, -4.0, 2.5], dtype=torch.float64)
     torch.testing.assert_close(vlpe.attention_logits(enc, q, k, Positions(moved)), base, rtol=0, atol=1e-9)
 
 
@@ -406,7 +406,7 @@ def test_rope_mixed_three_axes_init():
 @pytest.mark.parametrize("name,opts", [("rope", {"theta": 10000.0}), ("alibi", {})])
 def test_fixed_frequency_buffers_survive_downcasts_exactly(name, opts):
     enc = build(name, dim=96, num_heads=6, **opts)
-    (key, buf), = enc.named_buffers()
+    ((key, buf),) = enc.named_buffers()
     before = buf.clone()
     enc.bfloat16()
     after = dict(enc.named_buffers())[key]
@@ -477,9 +477,30 @@ def test_benchmark_script_runs_side_by_side_with_nope(tmp_path):
 
     script = Path(__file__).resolve().parents[1] / "benchmarks" / "encodings.py"
     out = tmp_path / "bench.json"
-    cmd = [sys.executable, str(script), "--encodings", "rope", "alibi", "--configs", "2:1", "--rounds", "2",
-           "--warmup", "1", "--dim", "32", "--heads", "2", "--depth", "2", "--threads", "1", "--out", str(out)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    cmd = [
+        sys.executable,
+        str(script),
+        "--encodings",
+        "rope",
+        "alibi",
+        "--configs",
+        "2:1",
+        "--rounds",
+        "2",
+        "--warmup",
+        "1",
+        "--dim",
+        "32",
+        "--heads",
+        "2",
+        "--depth",
+        "2",
+        "--threads",
+        "1",
+        "--out",
+        str(out),
+    ]
+    proc = subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-2000:]
     report = json.loads(out.read_text())
     res = report["configs"][0]["results"]

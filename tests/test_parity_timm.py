@@ -10,14 +10,14 @@ from vlpe import Positions
 from vlpe.encodings import build
 
 timm_layers = pytest.importorskip("timm.layers")
-from timm.layers import (  # noqa: E402
+from timm.layers import (
     RotaryEmbeddingCat,
     RotaryEmbeddingMixed,
     apply_rot_embed_cat,
     build_sincos2d_pos_embed,
     resample_abs_pos_embed,
 )
-from timm.layers.pos_embed_sincos import init_random_2d_freqs  # noqa: E402
+from timm.layers.pos_embed_sincos import init_random_2d_freqs
 
 
 def _qk(B, H, N, D, seed=0, dtype=torch.float32):
@@ -133,8 +133,8 @@ def test_rope_half_and_interleaved_layouts_differ_by_a_channel_permutation():
         atol=1e-5,
     )
     perm = to_half(torch.arange(Dh))
-    qh, kh = half.rotate(q[..., perm], k[..., perm], half.prepare(pos), 0)
-    qi, ki = inter.rotate(q, k, inter.prepare(pos), 0)
+    qh, _ = half.rotate(q[..., perm], k[..., perm], half.prepare(pos), 0)
+    qi, _ = inter.rotate(q, k, inter.prepare(pos), 0)
     torch.testing.assert_close(qh, qi[..., perm], rtol=0, atol=1e-6)
     # and the layouts really differ: without the permutation the rotation is another one
     assert not torch.allclose(half.rotate(q, k, half.prepare(pos), 0)[0], qi, atol=1e-3)
@@ -205,8 +205,13 @@ def test_rope1d_matches_transformers_llama(offset):
 
     H, Dh, S, B = 4, 16, 11, 2
     cfg = LlamaConfig(
-        hidden_size=H * Dh, num_attention_heads=H, num_key_value_heads=H, num_hidden_layers=1,
-        intermediate_size=32, vocab_size=16, max_position_embeddings=4096,
+        hidden_size=H * Dh,
+        num_attention_heads=H,
+        num_key_value_heads=H,
+        num_hidden_layers=1,
+        intermediate_size=32,
+        vocab_size=16,
+        max_position_embeddings=4096,
     )
     theta = cfg.rope_parameters["rope_theta"]
     rot = LlamaRotaryEmbedding(cfg)

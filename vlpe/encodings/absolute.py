@@ -7,7 +7,8 @@ Both build their ``(B or 1, N, C)`` table once per forward in :meth:`Encoding.pr
 from __future__ import annotations
 
 import math
-from typing import Literal, Sequence
+from collections.abc import Sequence
+from typing import Literal
 
 import torch
 import torch.nn.functional as F
@@ -121,7 +122,7 @@ class LearnedAPE(AdditiveEmbedding):
         head = self.pos_embed[: self.prefix] if self.prefix else patches.new_zeros(pos.prefix, self.dim)
         ctx["pe"] = torch.cat([head, patches], dim=0).unsqueeze(0)  # (1, N, C)
 
-    def neutralize(self) -> "LearnedAPE":
+    def neutralize(self) -> LearnedAPE:
         with torch.no_grad():
             self.pos_embed.zero_()
         return self
@@ -207,7 +208,9 @@ class SinCosAPE(AdditiveEmbedding):
     ) -> None:
         super().__init__(dim=dim, num_heads=num_heads, depth=depth, num_axes=num_axes)
         if layout not in ("blocked", "per_axis"):
-            raise ValueError(f"layout must be 'blocked' (timm) or 'per_axis' (interleave_sin_cos / MAE), got {layout!r}")
+            raise ValueError(
+                f"layout must be 'blocked' (timm) or 'per_axis' (interleave_sin_cos / MAE), got {layout!r}"
+            )
         if temperature <= 0:
             raise ValueError(f"temperature must be > 0, got {temperature}")
         if dim < 2 * num_axes:

@@ -25,7 +25,7 @@ def alibi_slopes(num_heads: int) -> Tensor:
     def power_of_two(n: int) -> list[float]:
         return [2.0 ** (-8.0 * (h + 1) / n) for h in range(n)]
 
-    n = 2 ** int(math.floor(math.log2(num_heads)))
+    n = 2 ** math.floor(math.log2(num_heads))
     slopes = power_of_two(n)
     if n < num_heads:
         slopes += power_of_two(2 * n)[0::2][: num_heads - n]
@@ -106,6 +106,6 @@ class ALiBi(Encoding):
 
         return score_mod, None
 
-    def neutralize(self) -> "ALiBi":
+    def neutralize(self) -> ALiBi:
         self.slopes.zero_()
         return self

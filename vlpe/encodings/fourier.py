@@ -53,9 +53,7 @@ class LearnableFourier(AdditiveEmbedding):
         if gamma <= 0:
             raise ValueError(f"gamma must be > 0 (W_r std is 1/gamma), got {gamma}")
         if groups < 1 or num_axes % groups or dim % groups:
-            raise ValueError(
-                f"groups must divide both num_axes ({num_axes}) and dim ({dim}); got groups={groups}"
-            )
+            raise ValueError(f"groups must divide both num_axes ({num_axes}) and dim ({dim}); got groups={groups}")
         self.num_features = int(num_features)
         self.hidden = int(hidden)
         self.gamma = float(gamma)
@@ -93,7 +91,7 @@ class LearnableFourier(AdditiveEmbedding):
             pe = torch.cat([pe.new_zeros(pe.shape[0], pos.prefix, self.dim), pe], dim=1)  # (B, N, C)
         ctx["pe"] = pe
 
-    def neutralize(self) -> "LearnableFourier":
+    def neutralize(self) -> LearnableFourier:
         nn.init.zeros_(self.mlp[2].weight)
         nn.init.zeros_(self.mlp[2].bias)
         return self

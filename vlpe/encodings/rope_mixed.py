@@ -96,7 +96,9 @@ class RoPEMixed(Encoding):
         self.theta = float(theta)
         self.rotate_init = bool(rotate)
         self.layout = layout
-        self.freqs = nn.Parameter(init_mixed_freqs(self.head_dim, depth, num_heads, num_axes, theta=theta, rotate=rotate))
+        self.freqs = nn.Parameter(
+            init_mixed_freqs(self.head_dim, depth, num_heads, num_axes, theta=theta, rotate=rotate)
+        )
 
     def reset_parameters(self) -> None:
         with torch.no_grad():
@@ -135,7 +137,7 @@ class RoPEMixed(Encoding):
             )
         return apply_rope(q, cos, sin), apply_rope(k, cos, sin)
 
-    def neutralize(self) -> "RoPEMixed":
+    def neutralize(self) -> RoPEMixed:
         with torch.no_grad():
             self.freqs.zero_()
         return self
