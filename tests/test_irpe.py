@@ -281,3 +281,13 @@ def test_bad_options_raise_value_errors():
         build(ratio=0)
     with pytest.raises(ValueError, match="axes"):
         build(num_axes=3)
+
+
+def test_only_configured_hooks_are_used():
+    """Without 'v' there is no values term, so attention keeps the SDPA path (no forced eager)."""
+    assert build(rpe_on="k").hooks == ("score",)
+    assert build(rpe_on="qkv").hooks == ("score", "values")
+    assert build(rpe_on="v").hooks == ("values",)
+    assert vlpe.encodings.get("irpe").uses("values")  # the class implements both hooks
+    with pytest.raises(ValueError, match="unknown hook"):
+        build().uses("rotation")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from typing import Literal
 
 import torch
@@ -24,6 +25,27 @@ _METHOD_ALIASES = {"euc": "euclidean"}
 #: Bucket maps up to this many bytes are kept as int64 (ready for gather); larger ones are stored compact.
 _INT64_INDEX_BYTES = 32 * 2**20
 _CACHE_SIZE = 4
+
+
+class _ConfiguredUses:
+    """``enc.uses(hook)`` answers for the instance's ``rpe_on``: without ``v`` iRPE has no values term, so
+    the attention keeps SDPA instead of the eager path. ``IRPE.uses(hook)`` (no instance) answers for the class."""
+
+    def __get__(self, obj, cls):
+        class_uses = functools.partial(Encoding.__dict__["uses"].__func__, cls)
+        if obj is None:
+            return class_uses
+
+        def uses(hook: str) -> bool:
+            if not class_uses(hook):  # also validates the hook name
+                return False
+            if hook == "values":
+                return "v" in obj.rpe_on
+            if hook == "score":
+                return "q" in obj.rpe_on or "k" in obj.rpe_on
+            return True
+
+        return uses
 
 
 @register("irpe")
@@ -50,6 +72,7 @@ class IRPE(Encoding):
     claims = frozenset({"zero_init", "neutral", "relative", "extrapolation"})
     supported_axes = (2,)
     needs_grid = True
+    uses = _ConfiguredUses()
 
     def __init__(
         self,
