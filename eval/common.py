@@ -92,12 +92,13 @@ def load_run(run_dir: str | Path, *, script: str, device: str | torch.device = "
     cfg = from_dict(config_cls, raw, where=str(cfg_path))
     wrapper = Classifier(build_model(cfg, num_classes))
     state = load_file(str(weights))
-    result = wrapper.load_state_dict(state, strict=False)
+    mismatch = f"{weights} does not match the model {cfg_path.name} describes (was the config edited after training?)"
+    try:
+        result = wrapper.load_state_dict(state, strict=False)
+    except RuntimeError as e:  # tensor shape mismatches
+        raise ValueError(f"{mismatch}: {e}") from None
     if result.missing_keys or result.unexpected_keys:
-        raise ValueError(
-            f"{weights} does not match the model its config describes: missing {result.missing_keys[:5]}, "
-            f"unexpected {result.unexpected_keys[:5]} (was the config edited after training?)"
-        )
+        raise ValueError(f"{mismatch}: missing {result.missing_keys[:5]}, unexpected {result.unexpected_keys[:5]}")
     model = wrapper.backbone.to(device).eval()
     return Run(path=run_dir, name=run_dir.name, script=script, cfg=cfg, num_classes=num_classes, model=model)
 

@@ -171,7 +171,12 @@ def test_load_run_checks(vit_run, tmp_path):
     raw = yaml.safe_load((vit_run / "config.yaml").read_text())
     raw["model"]["embed_dim"] = 32  # weights no longer fit
     (bad / "config.yaml").write_text(yaml.safe_dump(raw))
-    with pytest.raises((ValueError, RuntimeError)):
+    with pytest.raises(ValueError, match="does not match"):
+        common.load_run(bad, script="vit")
+    raw["model"]["embed_dim"] = None
+    raw["model"]["layer_scale"] = 0.1  # LayerScale parameters the export lacks
+    (bad / "config.yaml").write_text(yaml.safe_dump(raw))
+    with pytest.raises(ValueError, match="missing"):
         common.load_run(bad, script="vit")
 
 
