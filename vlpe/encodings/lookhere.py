@@ -223,10 +223,11 @@ class LookHere(Encoding):
         return s.masked_fill(self.is_zero, 0.0)
 
     def _dist(self, d2: Tensor) -> Tensor:
+        """The penalised distance from squared distances ``d2``, in place (``d2`` is consumed)."""
         if self.distance == "linear":
-            return d2.sqrt()
+            return d2.sqrt_()
         if self.distance == "sqrt":
-            return d2.sqrt().sqrt()
+            return d2.sqrt_().sqrt_()
         return d2
 
     # ------------------------------------------------------------------ per forward
@@ -337,7 +338,10 @@ class LookHere(Encoding):
         is_center = self.is_center
         centre = ctx["centre_dist"] if self.has_center else None
         fill = ctx["max_dist"] if self.fill_with == "max" else None
-        prefix, dist, mode = ctx.pos.prefix, self._dist, self.fill_with
+        prefix, mode, distance = ctx.pos.prefix, self.fill_with, self.distance
+
+        def dist(d2):  # out of place: traced by torch.compile
+            return d2 if distance == "square" else d2.sqrt() if distance == "linear" else d2.sqrt().sqrt()
 
         def offsets(b, q_idx, kv_idx):
             bb = b if per_sample else 0
