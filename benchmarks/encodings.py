@@ -10,7 +10,9 @@ wall time, which is far steadier on a shared machine. JSON goes to ``outputs/ben
 
 Memory (``--memory``): inference peak memory at a large grid (default 1024 x 1024 px, patch 16 -> 64x64 + CLS,
 12 layers x 12 heads, dim 768, batch 1). Each encoding runs in its own subprocess; the peak resident set size
-(CUDA: peak allocated memory) above the level just before the forward is compared with a ``nope`` subprocess.
+(CUDA: peak allocated memory) above the level just before the forward is compared with a ``nope`` subprocess;
+glibc is told to ``mmap`` (and unmap on free) every block of 64 KiB or more, so the resident set tracks live
+tensors rather than cached heap.
 
     python benchmarks/encodings.py --encodings rope rope_mixed ape
     python benchmarks/encodings.py --memory --encodings rope rope_mixed alibi
@@ -222,7 +224,10 @@ def run_memory(args, device):
                    "--image", str(args.image), "--patch", str(args.patch), "--dim", str(args.dim),
                    "--heads", str(args.heads), "--depth", str(args.depth), "--batch", str(args.batch),
                    "--backend", args.backend, "--device", str(device), "--threads", str(args.threads)]
-            proc = subprocess.run(cmd, check=False, capture_output=True, text=True, cwd=ROOT)
+            # glibc: serve every allocation >= 64 KiB by mmap and return it on free, so the resident set
+            # follows live tensors instead of the allocator's cached heap
+            env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536", "MALLOC_TRIM_THRESHOLD_": "0"}
+            proc = subprocess.run(cmd, check=False, capture_output=True, text=True, cwd=ROOT, env=env)
             if proc.returncode != 0:
                 rows[name] = {"name": name, "error": proc.stderr.strip().splitlines()[-1:]}
                 print(f"{name}: failed: {proc.stderr.strip()[-500:]}", file=sys.stderr)

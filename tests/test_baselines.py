@@ -352,6 +352,9 @@ def test_rope_mixed_tables_dtype_and_weight_decay():
     assert enc.freqs.shape == (3, 4, 2, 8)
     ctx = enc.prepare(Positions.grid(4, 5, prefix=1))
     assert ctx["cos"].shape == (1, 3, 4, 21, 8) and ctx["cos"].dtype == torch.float32
+    with torch.no_grad():  # the inference path computes sin in place: same tables
+        inf = enc.prepare(Positions.grid(4, 5, prefix=1))
+    assert torch.equal(inf["cos"], ctx["cos"].detach()) and torch.equal(inf["sin"], ctx["sin"].detach())
     p, before = enc.freqs, enc.freqs.detach().clone()
     enc.bfloat16()
     assert enc.freqs is p and enc.freqs.dtype == torch.float32  # learned frequencies stay fp32 ...

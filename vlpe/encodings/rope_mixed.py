@@ -121,7 +121,11 @@ class RoPEMixed(Encoding):
 
     def _prepare(self, ctx: Context) -> None:
         angles = rope_angles(ctx.pos.coords, self.freqs)  # (B, L, H, N, D/2)
-        cos, sin = cos_sin(angles)
+        if angles.requires_grad:
+            cos, sin = cos_sin(angles)
+        else:  # inference: sin in place, one (L, H, N, D/2) table less at the peak
+            with torch.autocast(angles.device.type, enabled=False):
+                cos, sin = angles.cos(), angles.sin_()
         ctx["cos"], ctx["sin"] = cos, sin
         # per-layer views from one unbind: their gradients meet in one stack, not L full-size selects
         ctx["layers"] = tuple(zip(cos.unbind(1), sin.unbind(1)))  # L x ((B, H, N, D/2), (B, H, N, D/2))
