@@ -17,6 +17,11 @@ __all__ = ["LookHere", "DIRECTION_GROUPS", "default_directions", "head_layout"]
 # (column, row) patch units; "up" is a smaller row index. Every boundary is inclusive.
 _RIGHT, _LEFT, _DOWN, _UP = 1, 2, 4, 8  # dx >= 0, dx <= 0, dy >= 0, dy <= 0
 _SUM_POS, _SUM_NEG, _DIF_POS, _DIF_NEG = 16, 32, 64, 128  # dx+dy >= 0, dx+dy <= 0, dx-dy >= 0, dx-dy <= 0
+#: bit -> (form index into (x, y, x + y, x - y), True for ">= 0" / False for "<= 0")
+_HALF_PLANES = {
+    _RIGHT: (0, True), _LEFT: (0, False), _DOWN: (1, True), _UP: (1, False),
+    _SUM_POS: (2, True), _SUM_NEG: (2, False), _DIF_POS: (3, True), _DIF_NEG: (3, False),
+}  # fmt: skip
 
 #: Field-of-view primitives -> required half-plane bits (intersection). Wedges ("tri_*") are 90-degree
 #: cones around an axis; "diag_*" are the *union* of two adjacent wedges, i.e. a half-plane bounded by a
@@ -144,6 +149,8 @@ class LookHere(Encoding):
     ``lh45``.
     """
 
+    keep_fp32 = True  # exact fp32 parameters/buffers through downcasts (see Encoding.keep_fp32)
+
     claims = frozenset({"relative", "extrapolation", "fp32_angles"})
     supported_axes = (2,)
     #: the registry-wide kit builds 4 heads: one 4-head group (also for the 12-head presets)
@@ -205,11 +212,6 @@ class LookHere(Encoding):
         self.register_buffer("is_zero", torch.tensor(zero), persistent=False)  # (H,) no bias at all
         self.register_buffer("is_center", torch.tensor(center), persistent=False)  # (H,) distance to the centre
 
-    def _apply(self, fn, recurse=True):
-        super()._apply(fn, recurse)
-        if self.head_slopes.dtype not in (torch.float32, torch.float64):
-            self.head_slopes = self.head_slopes.float()
-        return self
 
     # ------------------------------------------------------------------ slopes
     def layer_slope(self, layer: int) -> float:
@@ -235,7 +237,8 @@ class LookHere(Encoding):
         pos = ctx.pos
         with torch.autocast(pos.device.type, enabled=False):
             coords = pos.coords if pos.coords.dtype == torch.float64 else pos.coords.float()  # (B, N, 2)
-            ctx["y"], ctx["x"] = coords[..., 0].contiguous(), coords[..., 1].contiguous()  # (B, N) rows, columns
+            y, x = coords[..., 0], coords[..., 1]  # (B, N) rows, columns
+            ctx["proj"] = torch.stack([x, y, x + y, x - y])  # (4, B, N): the four half-plane boundary forms
             if self.has_center or self.fill_with == "max":
                 patch = coords[:, pos.prefix :]  # (B, n, 2)
                 valid = None if pos.valid is None else pos.valid[:, pos.prefix :, None]
@@ -253,59 +256,67 @@ class LookHere(Encoding):
     def score(self, q: Tensor, k: Tensor, ctx: Context, layer: int, rows: slice | None = None) -> Tensor:
         """The ``(B, H, n, N)`` bias of the query ``rows``, written head by head into one tensor.
 
-        Only ``(B, n, N)`` temporaries (offsets, distance, one mask per field of view) exist beside the
-        result; heads sharing a field of view share its mask.
+        Beside the result only ``(B, n, N)`` temporaries exist: the distance, one bool mask per half-plane
+        and per field of view (compared from per-token projections, no offset tensors), one fill buffer.
         """
         rows = slice(None) if rows is None else rows
         with torch.autocast(q.device.type, enabled=False):
-            y, x = ctx["y"], ctx["x"]  # (B, N)
-            dy = y[:, None, :] - y[:, rows, None]  # (B, n, N) key - query
-            dx = x[:, None, :] - x[:, rows, None]
-            B, n, N = dx.shape
-            dist = self._dist((dx * dx).addcmul_(dy, dy))  # (B, n, N)
-            out = dist.new_empty(B, self.num_heads, n, N)
-            factor = -self.global_slope * self.layer_slope(layer)
+            proj = ctx["proj"]  # (4, B, N)
             outside: dict[int, Tensor] = {}  # half-plane bit -> (B, n, N) "key outside it"
-            for req, heads in self._fov_groups:
-                hidden = self._hidden(req, dx, dy, outside)  # (B, n, N) or None
-                # fill 'inf': one fused pass per head, out = penalty * distance + (0 | -3.39e38)
-                floor = None if hidden is None or self.fill_with != "inf" else torch.where(hidden, _MASKED, 0.0)
+            hidden = [self._hidden(req, proj, rows, outside) for req, _ in self._fov_groups]  # (B, n, N) | None
+            outside.clear()
+            x, y = proj[0], proj[1]  # (B, N)
+            d2 = (x[:, None, :] - x[:, rows, None]).square_()  # (B, n, N)
+            d2.addcmul_(dy := y[:, None, :] - y[:, rows, None], dy)
+            del dy
+            dist = self._dist(d2)  # (B, n, N)
+            B, n, N = dist.shape
+            out = dist.new_empty(B, self.num_heads, n, N)
+            floor = None  # fill 'inf': (B, n, N) of 0 / -3.39e38, one fused pass per head
+            factor = -self.global_slope * self.layer_slope(layer)
+            for (_, heads), hid in zip(self._fov_groups, hidden):
+                if hid is not None and self.fill_with == "inf":
+                    floor = torch.mul(hid, _MASKED, out=dist.new_empty(dist.shape) if floor is None else floor)
                 for h in heads:
                     o = out[:, h]  # (B, n, N)
                     s = factor * self._slopes[h]
                     kind = self._kinds[h]
-                    d = dist  # (B, n, N)
+                    d = dist
                     if kind == "center":
                         d = ctx["centre_dist"][:, None, :].expand(B, n, N)  # the key's distance to the centre
-                    if floor is not None:
+                    if hid is not None and self.fill_with == "inf":
                         if kind == "zero":
                             o.copy_(floor)
                         else:
-                            torch.add(floor, d, alpha=s, out=o)
+                            torch.add(floor, d, alpha=s, out=o)  # -3.39e38 absorbs the penalty exactly
                         continue
                     if kind == "zero":
                         o.zero_()
                     else:
                         torch.mul(d, s, out=o)
-                    if hidden is None:
+                    if hid is None:
                         continue
                     if self.fill_with == "zero" or kind == "zero":
-                        o.masked_fill_(hidden, 0.0)
+                        o.masked_fill_(hid, 0.0)
                     else:  # "max": the largest distance of the grid, penalised like a visible key
-                        o.copy_(torch.where(hidden, (ctx["max_dist"] * s)[:, None, None], o))
+                        o.copy_(torch.where(hid, (ctx["max_dist"] * s)[:, None, None], o))
             self._clear_prefix(out, ctx.pos.prefix, rows, n)
         return out
 
     @staticmethod
-    def _hidden(req: int, dx: Tensor, dy: Tensor, outside: dict[int, Tensor]) -> Tensor | None:
-        """``(B, n, N)`` True where the key lies outside the field of view ``req`` (None: sees everything)."""
+    def _hidden(req: int, proj: Tensor, rows: slice, outside: dict[int, Tensor]) -> Tensor | None:
+        """``(B, n, N)`` True where the key lies outside the field of view ``req`` (None: sees everything).
+
+        Half-plane ``f(key - query) >= 0`` of a linear form f is ``f(key) >= f(query)``: a comparison of
+        per-token projections ``proj`` (x, y, x + y, x - y), so no offset tensor is built.
+        """
         hidden, owned = None, False
-        for bit in (_RIGHT, _LEFT, _DOWN, _UP, _SUM_POS, _SUM_NEG, _DIF_POS, _DIF_NEG):
+        for bit, (form, positive) in _HALF_PLANES.items():
             if not req & bit:
                 continue
             if bit not in outside:
-                form = dx if bit <= _LEFT else dy if bit <= _UP else dx + dy if bit <= _SUM_NEG else dx - dy
-                outside[bit] = form < 0 if bit in (_RIGHT, _DOWN, _SUM_POS, _DIF_POS) else form > 0
+                p = proj[form]  # (B, N)
+                outside[bit] = (torch.lt if positive else torch.gt)(p[:, None, :], p[:, rows, None])
             if hidden is None:
                 hidden = outside[bit]
             elif owned:
@@ -330,10 +341,11 @@ class LookHere(Encoding):
         ``fill_with='inf'``, a ``block_mask`` of the fields of view; nothing N x N is kept."""
         from torch.nn.attention.flex_attention import create_block_mask
 
-        y, x = ctx["y"], ctx["x"]  # (B, N)
-        per_sample = y.shape[0] > 1
-        slopes = -self.slopes(layer).to(y.dtype)  # (H,)
-        bits = torch.tensor([1, 2, 4, 8, 16, 32, 64, 128], dtype=torch.uint8, device=y.device)
+        proj = ctx["proj"]  # (4, B, N): x, y, x + y, x - y
+        x, y = proj[0], proj[1]
+        per_sample = proj.shape[1] > 1
+        slopes = -self.slopes(layer).to(proj.dtype)  # (H,)
+        bits = torch.tensor(list(_HALF_PLANES), dtype=torch.uint8, device=proj.device)
         req = (self.required[:, None] & bits) != 0  # (H, 8) which half-planes each head needs
         is_center = self.is_center
         centre = ctx["centre_dist"] if self.has_center else None
@@ -348,14 +360,14 @@ class LookHere(Encoding):
             return x[bb, kv_idx] - x[bb, q_idx], y[bb, kv_idx] - y[bb, q_idx]
 
         def visible(b, h, q_idx, kv_idx):
-            dx, dy = offsets(b, q_idx, kv_idx)
-            s, d = dx + dy, dx - dy
-            tests = (dx >= 0, dx <= 0, dy >= 0, dy <= 0, s >= 0, s <= 0, d >= 0, d <= 0)
-            ok = (q_idx < prefix) | (kv_idx < prefix)
-            seen = tests[0] | ~req[h, 0]
-            for c in range(1, 8):
-                seen = seen & (tests[c] | ~req[h, c])
-            return ok | seen
+            bb = b if per_sample else 0
+            seen = (q_idx < prefix) | (kv_idx < prefix)
+            inside = None
+            for c, (form, positive) in enumerate(_HALF_PLANES.values()):
+                pk, pq = proj[form, bb, kv_idx], proj[form, bb, q_idx]
+                ok = (pk >= pq if positive else pk <= pq) | ~req[h, c]
+                inside = ok if inside is None else inside & ok
+            return seen | inside
 
         def score_mod(score, b, h, q_idx, kv_idx):
             dx, dy = offsets(b, q_idx, kv_idx)
