@@ -37,3 +37,17 @@ def test_error_behaviour(name):
 def test_every_encoding_declares_a_docstring_and_claims(name):
     cls = get(name)
     assert cls.__doc__ and len(cls.__doc__.split()) > 8, f"{name} needs a docstring naming its paper and reference"
+
+
+@pytest.mark.parametrize("name", vlpe.encodings.available())
+def test_keep_fp32_encodings_survive_downcasts_exactly(name):
+    """Encodings that keep fp32 state hold the exact same values after .bfloat16() / .half()."""
+    enc = _build(name)
+    before = {k: v.detach().clone() for k, v in list(enc.named_parameters()) + list(enc.named_buffers())}
+    enc.bfloat16()
+    for k, v in list(enc.named_parameters()) + list(enc.named_buffers()):
+        if not v.is_floating_point() or not get(name).keep_fp32:
+            continue
+        if k in before and "." not in k:  # the module's own state (submodules follow their own rule)
+            assert v.dtype == torch.float32, f"{name}.{k} dropped to {v.dtype}"
+            assert torch.equal(v, before[k].float()), f"{name}.{k} changed value through .bfloat16()"

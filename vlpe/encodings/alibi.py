@@ -61,18 +61,14 @@ class ALiBi(Encoding):
     the slopes to 0. Checked against slopes and biases computed by hand from the definition.
     """
 
+    keep_fp32 = True  # exact fp32 parameters/buffers through downcasts (see Encoding.keep_fp32)
+
     claims = frozenset({"relative", "extrapolation", "rotation_invariant", "neutral", "fp32_angles"})
 
     def __init__(self, *, dim: int, num_heads: int, depth: int = 12, num_axes: int = 2) -> None:
         super().__init__(dim=dim, num_heads=num_heads, depth=depth, num_axes=num_axes)
         self.register_buffer("slopes", alibi_slopes(num_heads), persistent=False)  # (H,)
 
-    def _apply(self, fn, recurse=True):
-        keep = self.slopes
-        super()._apply(fn, recurse)
-        if self.slopes.dtype not in (torch.float32, torch.float64):
-            self.slopes = keep.to(device=self.slopes.device, dtype=torch.float32)  # exact fp32 slopes kept
-        return self
 
     def _prepare(self, ctx: Context) -> None:
         pos = ctx.pos

@@ -35,7 +35,7 @@ from torch import Tensor, nn
 
 from ..positions import Positions
 
-__all__ = ["Context", "Encoding", "HOOKS", "CLAIMS"]
+__all__ = ["Context", "Encoding", "HOOKS", "CLAIMS", "apply_keeping_fp32"]
 
 HOOKS = ("embed", "mix", "rotate", "widen", "score", "values")
 
@@ -89,6 +89,10 @@ class Encoding(nn.Module):
 
     name: ClassVar[str] = ""
     claims: ClassVar[frozenset[str]] = frozenset()
+    #: keep this module's own floating parameters and buffers at their exact fp32 values through
+    #: ``.half()`` / ``.bfloat16()`` / DeepSpeed casts (frequencies, slopes, generators, projections whose
+    #: rounding would break exact relativity or the cancellation of large terms)
+    keep_fp32: ClassVar[bool] = False
     supported_axes: ClassVar[tuple[int, ...] | None] = None
     needs_grid: ClassVar[bool] = False
 
@@ -111,6 +115,11 @@ class Encoding(nn.Module):
         self.head_dim = dim // num_heads
         self.depth = depth
         self.num_axes = num_axes
+
+    def _apply(self, fn, recurse=True):
+        if not self.keep_fp32:
+            return super()._apply(fn, recurse)
+        return apply_keeping_fp32(self, super()._apply, fn, recurse)
 
     # ------------------------------------------------------------------ per forward
     def prepare(self, pos: Positions) -> Context:
@@ -197,3 +206,29 @@ class Encoding(nn.Module):
 def fp32(t: Tensor) -> Tensor:
     """``t`` as float32 (float64 kept): the precision for angles, distances and coordinate math."""
     return t if t.dtype in (torch.float32, torch.float64) else t.float()
+
+
+_FULL = (torch.float32, torch.float64)
+
+
+def apply_keeping_fp32(module: nn.Module, apply, fn, recurse: bool) -> nn.Module:
+    """``nn.Module._apply`` (passed as ``apply``) that keeps ``module``'s own floating parameters and buffers
+    at their exact fp32 values when ``fn`` casts to bf16/fp16 (same Parameter objects; device moves apply).
+
+    For angle generators, bases and coordinate projections, whose rounding would break exact relativity or
+    the cancellation of large terms. Values are restored from before the cast, not upcast from rounded ones.
+    """
+    params = {n: (p.data, p.grad) for n, p in module.named_parameters(recurse=False)}
+    buffers = {n: b for n, b in module.named_buffers(recurse=False) if b is not None and b.is_floating_point()}
+    apply(fn, recurse)
+    for n, p in module.named_parameters(recurse=False):
+        if p.dtype not in _FULL:
+            data, grad = params[n]
+            p.data = data.to(device=p.device, dtype=torch.float32)
+            if p.grad is not None:
+                p.grad = (grad if grad is not None else p.grad).to(device=p.device, dtype=torch.float32)
+    for n, b in buffers.items():
+        now = getattr(module, n)
+        if now.dtype not in _FULL:
+            setattr(module, n, b.to(device=now.device, dtype=torch.float32))
+    return module

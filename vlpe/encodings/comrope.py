@@ -32,32 +32,10 @@ from .base import Context, Encoding, fp32
 from .functional.rope import apply_rope, cos_sin, rope_angles
 from .registry import register
 
-__all__ = ["ComRoPE", "normalized_grid_coords", "apply_keeping_fp32"]
-
-_FULL = (torch.float32, torch.float64)
+__all__ = ["ComRoPE", "normalized_grid_coords"]
 
 
-def apply_keeping_fp32(module: nn.Module, apply, fn, recurse: bool) -> nn.Module:
-    """``nn.Module._apply`` (passed as ``apply``) that keeps ``module``'s own floating parameters and buffers
-    at their exact fp32 values when ``fn`` casts to bf16/fp16 (same Parameter objects; device moves apply).
 
-    For angle generators, bases and coordinate projections, whose rounding would break exact relativity or
-    the cancellation of large terms. Values are restored from before the cast, not upcast from rounded ones.
-    """
-    params = {n: (p.data, p.grad) for n, p in module.named_parameters(recurse=False)}
-    buffers = {n: b for n, b in module.named_buffers(recurse=False) if b is not None and b.is_floating_point()}
-    apply(fn, recurse)
-    for n, p in module.named_parameters(recurse=False):
-        if p.dtype not in _FULL:
-            data, grad = params[n]
-            p.data = data.to(device=p.device, dtype=torch.float32)
-            if p.grad is not None:
-                p.grad = (grad if grad is not None else p.grad).to(device=p.device, dtype=torch.float32)
-    for n, b in buffers.items():
-        now = getattr(module, n)
-        if now.dtype not in _FULL:
-            setattr(module, n, b.to(device=now.device, dtype=torch.float32))
-    return module
 
 
 def normalized_grid_coords(pos, *, prefix_value: float = 0.5, dtype: torch.dtype = torch.float32) -> Tensor:
@@ -95,6 +73,8 @@ class ComRoPE(Encoding):
     (prefix tokens at 0, unrotated; then the small-grid logits are a block of the large-grid ones).
     ``neutralize()`` zeroes the generators (``R = I``).
     """
+
+    keep_fp32 = True  # exact fp32 parameters/buffers through downcasts (see Encoding.keep_fp32)
 
     claims = frozenset({"relative", "neutral", "fp32_angles"})
     needs_grid = True  # coords="normalized" reads the grid extent; coords="raw" does not
@@ -153,8 +133,6 @@ class ComRoPE(Encoding):
             if self.variant == "ld":
                 self.multipliers.normal_(0.0, 1.0)
 
-    def _apply(self, fn, recurse=True):
-        return apply_keeping_fp32(self, super()._apply, fn, recurse)  # generators never drop below fp32
 
     # ------------------------------------------------------------------ math
     def skew(self) -> Tensor:

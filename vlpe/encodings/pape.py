@@ -44,7 +44,6 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .base import Context, Encoding, fp32
-from .comrope import apply_keeping_fp32
 from .registry import register
 
 __all__ = ["PaPE", "PaPERI", "centred_coords"]
@@ -113,6 +112,8 @@ def _sym_pairs(num_axes: int) -> tuple[list[int], list[int]]:
 class _ParabolicBase(Encoding):
     """Shared machinery: centred fp32 coordinates, key features once per forward, widened q/k per layer."""
 
+    keep_fp32 = True  # exact fp32 parameters/buffers through downcasts (see Encoding.keep_fp32)
+
     claims = frozenset({"relative", "extrapolation", "neutral", "fp32_angles"})
 
     def __init__(self, *, dim, num_heads, depth, num_axes, prefix_position: PrefixPosition) -> None:
@@ -124,9 +125,6 @@ class _ParabolicBase(Encoding):
             )
         self.prefix_position = prefix_position
 
-    def _apply(self, fn, recurse=True):
-        # parameters and buffers keep exact fp32 values through .half()/.bfloat16(): the features cancel large terms
-        return apply_keeping_fp32(self, super()._apply, fn, recurse)
 
     def _key_features(self, c: Tensor) -> Tensor:
         """Position-only key features ``(B, N, W_k)`` from centred coordinates (override)."""

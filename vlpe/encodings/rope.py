@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from typing import Literal
 
-import torch
 from torch import Tensor
 
 from .base import Context, Encoding
@@ -19,6 +18,8 @@ class RotaryEncoding(Encoding):
     ``_apply`` guard), so checkpoints carry no tables and downcasts cannot degrade the angles.
     """
 
+    keep_fp32 = True  # exact fp32 parameters/buffers through downcasts (see Encoding.keep_fp32)
+
     claims = frozenset({"relative", "extrapolation", "neutral", "fp32_angles"})
 
     def __init__(self, *, dim, num_heads, depth, num_axes, layout: Literal["half", "interleaved"] = "half") -> None:
@@ -27,13 +28,6 @@ class RotaryEncoding(Encoding):
             raise ValueError(f"layout must be 'half' or 'interleaved', got {layout!r}")
         self.layout = layout
 
-    def _apply(self, fn, recurse=True):
-        keep = self.freqs
-        super()._apply(fn, recurse)
-        if self.freqs.dtype not in (torch.float32, torch.float64):
-            # never rotate with bf16/fp16 frequencies: restore the fp32 values, not the rounded ones
-            self.freqs = keep.to(device=self.freqs.device, dtype=torch.float32)
-        return self
 
     def _prepare(self, ctx: Context) -> None:
         angles = rope_angles(ctx.pos.coords, self.freqs)  # (B, N, D/2)

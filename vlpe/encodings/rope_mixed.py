@@ -75,6 +75,8 @@ class RoPEMixed(Encoding):
     once per forward. Prefix tokens sit at coordinate 0 and are not rotated.
     """
 
+    keep_fp32 = True  # exact fp32 parameters/buffers through downcasts (see Encoding.keep_fp32)
+
     claims = frozenset({"relative", "extrapolation", "neutral", "fp32_angles"})
 
     def __init__(
@@ -108,16 +110,6 @@ class RoPEMixed(Encoding):
                 )
             )
 
-    def _apply(self, fn, recurse=True):
-        data, grad = self.freqs.data, self.freqs.grad  # the fp32 values before any cast
-        super()._apply(fn, recurse)
-        p = self.freqs
-        if p.dtype not in (torch.float32, torch.float64):
-            # learned frequencies never drop below fp32: restore the exact values (not the rounded ones)
-            p.data = data.to(device=p.device, dtype=torch.float32)
-            if p.grad is not None:
-                p.grad = (grad if grad is not None else p.grad).to(device=p.device, dtype=torch.float32)
-        return self
 
     def _prepare(self, ctx: Context) -> None:
         angles = rope_angles(ctx.pos.coords, self.freqs)  # (B, L, H, N, D/2)

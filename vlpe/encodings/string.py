@@ -15,7 +15,6 @@ import torch
 from torch import Tensor, nn
 
 from .base import Context, Encoding, fp32
-from .comrope import apply_keeping_fp32
 from .functional.rope import apply_rope, axial_inv_freq, cos_sin, rope_angles
 from .registry import register
 
@@ -44,6 +43,8 @@ class CayleySTRING(Encoding):
     basis change and rotation run in fp32. ``neutralize()`` zeroes the frequencies (``R = P P^T = I``).
     """
 
+    keep_fp32 = True  # exact fp32 parameters/buffers through downcasts (see Encoding.keep_fp32)
+
     claims = frozenset({"relative", "extrapolation", "neutral", "fp32_angles"})
 
     def __init__(
@@ -62,8 +63,6 @@ class CayleySTRING(Encoding):
         self.register_buffer("freqs", axial_inv_freq(self.head_dim, num_axes, self.theta), persistent=False)
         self.skew = nn.Parameter(torch.zeros(depth, num_heads, self.head_dim, self.head_dim))
 
-    def _apply(self, fn, recurse=True):
-        return apply_keeping_fp32(self, super()._apply, fn, recurse)  # basis and frequencies stay exact fp32
 
     def basis(self) -> Tensor:
         """``P`` (depth, H, D, D), orthogonal, fp32 (fp64 in a ``.double()`` module), autocast off."""
