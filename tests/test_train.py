@@ -127,7 +127,9 @@ def _read_metrics(out: Path):
 )
 def test_two_rank_deepspeed_smoke(tmp_path, script, config, extra):
     out = tmp_path / "run"
-    _run([DS, "--num_gpus", "2", script, "--config", config, *extra, "train.steps=3", "train.val_every=3",
+    from train.engine import _free_port  # parallel test workers must not share the launcher's default port
+
+    _run([DS, "--num_gpus", "2", "--master_port", str(_free_port()), script, "--config", config, *extra, "train.steps=3", "train.val_every=3",
           "train.ckpt_every=3", f"train.out_dir={out}"])
     assert (out / "model.safetensors").is_file() and (out / "checkpoints/step_00000003/COMPLETE").is_file()
     recs = _read_metrics(out)
