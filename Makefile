@@ -9,13 +9,13 @@ setup:
 	@bash scripts/setup.sh
 
 demo: setup
-	$(PY) -m vlpe.demo
+	$(PY) eval/demo.py
 
 test: setup
 	$(PY) -m pytest -n 2 -q tests
 
 bench: setup
-	$(PY) benchmarks/encodings.py
+	$(PY) eval/report.py --suite
 
 clean:
 	rm -rf outputs runs .pytest_cache
