@@ -186,7 +186,7 @@ def _train_cmd(spec: RunSpec) -> list[str]:
 
 def _eval_cmd(spec: RunSpec, profile: Profile) -> tuple[list[str], Path]:
     out = spec.out_dir / "eval"
-    common = ["--run", str(spec.out_dir), "--out", str(out), "--no-progress", "--device", "cpu"]
+    common = ["--run", str(spec.out_dir), "--out", str(out), "--no-progress"]
     if spec.family == "vit":
         args = [str(ROOT / "eval/resolution.py"), "--limit", str(profile.vit_limit)]
         return [sys.executable, *args, *common], out / "resolution.json"
