@@ -393,6 +393,7 @@ def _read_av(path, num_frames, fps, indices, size) -> Clip:
     last = int(idx.max())
     got: dict[int, np.ndarray] = {}
     k = 0
+    failure = None
     try:
         with av.open(str(path)) as container:
             stream = container.streams.video[0]
@@ -403,7 +404,11 @@ def _read_av(path, num_frames, fps, indices, size) -> Clip:
                 if k > last:
                     break
     except Exception as err:
-        raise VideoDecodeError(path, f"PyAV failed while decoding frame {k}: {err}") from err
+        failure = f"PyAV failed while decoding frame {k}: {type(err).__name__}: {err}"
+    # Raised here, unchained: a traceback would keep the decoder's codec context (and its FFmpeg slice
+    # threads) alive in a reference cycle, and a DataLoader worker forked later would free it and deadlock.
+    if failure is not None:
+        raise VideoDecodeError(path, failure)
     if k <= last:
         raise TruncatedVideoError(path, f"truncated: only {k} of {info.num_frames} frames could be decoded")
     frames = np.stack([got[i] for i in idx.tolist()])
@@ -714,12 +719,16 @@ class VideoLoader:
     """A torch DataLoader over a :class:`VideoDataset` that skips undecodable videos and counts them.
 
     ``stats`` (a :class:`LoaderStats`) accumulates over iterations; batches whose every video was skipped
-    are not yielded. Keyword arguments go to ``torch.utils.data.DataLoader``.
+    are not yielded. Keyword arguments go to ``torch.utils.data.DataLoader``. With ``num_workers > 0`` the
+    workers start from a fork server (override with ``multiprocessing_context``): a plain fork copies the
+    parent's FFmpeg and decord thread pools mid-state, and a worker that frees such an object deadlocks.
     """
 
     def __init__(self, dataset: VideoDataset, **loader_kwargs: Any):
         torch = _require("torch")
         loader_kwargs.setdefault("collate_fn", collate_clips)
+        if loader_kwargs.get("num_workers", 0) > 0 and "forkserver" in torch.multiprocessing.get_all_start_methods():
+            loader_kwargs.setdefault("multiprocessing_context", "forkserver")
         self.loader = torch.utils.data.DataLoader(dataset, **loader_kwargs)
         self.stats = LoaderStats()
 
