@@ -27,7 +27,7 @@ Backend = Literal["sdpa", "eager", "flex"]
 BACKENDS = ("sdpa", "eager", "flex")
 
 #: Largest dense bias (bytes) built at once by the ``sdpa``/``eager`` paths; larger ones go by query chunks.
-MAX_BIAS_BYTES = 64 * 2**20
+MAX_BIAS_BYTES = 16 * 2**20
 
 
 def _key_padding(ctx: Context | None, dtype: torch.dtype) -> Tensor | None:
