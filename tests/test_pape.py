@@ -11,6 +11,7 @@ import torch.nn.functional as F
 import vlpe
 from vlpe import Positions, attend, attention_logits
 from vlpe.encodings import build
+from vlpe.encodings.pape import PaPENaive
 from vlpe.testing import PropertyFailure, check_rotation_invariant
 
 
@@ -77,6 +78,24 @@ def test_widened_dot_product_equals_explicit_bias(name, opts, pos, prefix_positi
         got = attention_logits(enc, q, k, pos, layer=layer)
         want = _explicit_logits(enc, q, k, pos, layer, prefix_position)
         assert torch.allclose(got, want, atol=1e-9, rtol=1e-9), (got - want).abs().max()
+
+
+@pytest.mark.parametrize("opts,pos,prefix_position", [c[1:] for c in CASES if c[0] == "pape"])
+def test_naive_reference_form_matches_the_explicit_bias_and_the_folded_form(opts, pos, prefix_position):
+    """The benchmark's 3M + 2 channel form (the reference's naive layout) is a third derivation of the same logits."""
+    folded = build("pape", dim=32, num_heads=2, depth=2, **opts).double()
+    naive = PaPENaive(dim=32, num_heads=2, depth=2, **opts).double()
+    naive.load_state_dict(folded.state_dict())
+    assert naive.extra_width == 3 * folded.num_parabolas + 2 > folded.extra_width
+    if pos is None:
+        g = torch.Generator().manual_seed(3)
+        pos = Positions.points(torch.randn(2, 9, 3, generator=g, dtype=torch.float64) * 5 + 40)
+    q, k = _qk(pos.batch, 2, pos.num_tokens, 16, seed=5)
+    for layer in (0, 1):
+        got = attention_logits(naive, q, k, pos, layer=layer)
+        want = _explicit_logits(folded, q, k, pos, layer, prefix_position)
+        assert torch.allclose(got, want, atol=1e-9, rtol=1e-9), (got - want).abs().max()
+        assert torch.allclose(got, attention_logits(folded, q, k, pos, layer=layer), atol=1e-9, rtol=1e-9)
 
 
 @pytest.mark.parametrize("name", ["pape", "pape_ri"])
