@@ -83,7 +83,9 @@ START, END = "<!-- results:start -->", "<!-- results:end -->"
 # points: the rotation-invariance comparison and its baselines.
 DEFAULT_ENCODINGS: dict[str, tuple[str, ...] | None] = {
     "vit": ("nope", "ape", "sincos", "rope", "rope_mixed", "alibi", "lookhere", "lh45", "pape", "pape_ri"),
-    "vlm": None,
+    # the 1D baseline and the variants whose papers make a long-video claim (``--encodings all`` adds mhrope,
+    # pype, qwen25vl and qwen3vl: about 25 more minutes on 2 cores)
+    "vlm": ("rope1d", "mrope", "mrope_i", "videorope", "hope_video", "vrope", "v2pe"),
     "points": ("nope", "sincos", "rope", "alibi", "pape", "pape_ri"),
 }
 
@@ -102,7 +104,7 @@ PROFILES: dict[str, Profile] = {
     # Per-run CPU cost measured on the 2-core development machine (one thread, seconds; see the README section
     # for the figures of the last run): ViT micro ~0.7 s/step at batch 64 (PaPE ~1.0), its evaluation ~0.35 s per
     # image over the 7 sizes (PaPE ~1.1); the tiny VLM ~0.18 s/step, evaluation ~20 s; points ~0.4 s/step.
-    "suite": Profile(steps={"vit": 200, "vlm": 500, "points": 200}, vit_limit=300, vlm_samples=10,
+    "suite": Profile(steps={"vit": 200, "vlm": 500, "points": 200}, vit_limit=250, vlm_samples=10,
                      points_factors=(2, 4, 8)),  # fmt: skip
     "small": Profile(steps={"vit": 20, "vlm": 20, "points": 20}, vit_limit=40, vlm_samples=2, points_factors=(2,)),
 }
