@@ -6,7 +6,7 @@
 
 1. Training step (forward + backward) of a ViT-S-sized stack (12 pre-norm blocks, dim 384, 6 heads) for each
    encoding, side by side with ``nope`` in one run: the stack, the timing rounds (interleaved, rotating start,
-   min and median) and the ``nope`` ratios are those of ``benchmarks/encodings.py`` (imported, not copied).
+   min and median) and the ``nope`` ratios are those of ``benchmarks/encoding_cost.py`` (imported, not copied).
    Each encoding gets the positions it takes for one ``side x side`` frame plus a CLS token, so every
    configuration has the same token count: 2 axes (h, w) for image encodings; 3 axes (t = 0, h, w) for the
    multimodal 3-axis variants (MRoPE, VideoRoPE, ...); 1 axis (the row-major index) for 1D variants (V2PE,
@@ -64,7 +64,7 @@ def load_benchmark(name: str) -> ModuleType | None:
     path = ROOT / "benchmarks" / f"{name}.py"
     if not path.is_file():
         return None
-    mod_name = f"vlpe_benchmarks_{name}"  # benchmarks/encodings.py would shadow the stdlib `encodings`
+    mod_name = f"vlpe_benchmarks_{name}"  # a private name: nothing else can import it by accident
     if mod_name in sys.modules:
         return sys.modules[mod_name]
     spec = importlib.util.spec_from_file_location(mod_name, path)
@@ -225,9 +225,9 @@ def run(
     """The whole report as a JSON-ready dict (see the module docstring)."""
     from tqdm import tqdm
 
-    bench = load_benchmark("encodings")
+    bench = load_benchmark("encoding_cost")
     if bench is None:
-        raise ValueError("benchmarks/encodings.py is missing: eval/speed.py reuses its stack and timing")
+        raise ValueError("benchmarks/encoding_cost.py is missing: eval/speed.py reuses its stack and timing")
     device = torch.device(device)
     names = list(dict.fromkeys(["nope", *(encodings or available())]))
     unknown = [n for n in names if n not in available()]

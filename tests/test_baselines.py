@@ -472,13 +472,13 @@ def test_baselines_registered_and_reject_unknown_options(name):
 
 @pytest.mark.slow
 def test_benchmark_script_runs_side_by_side_with_nope(tmp_path):
-    """Smoke run of benchmarks/encodings.py at a toy size: nope is always measured and is the ratio's base."""
+    """Smoke run of benchmarks/encoding_cost.py at a toy size: nope is always measured and is the ratio's base."""
     import json
     import subprocess
     import sys
     from pathlib import Path
 
-    script = Path(__file__).resolve().parents[1] / "benchmarks" / "encodings.py"
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "encoding_cost.py"
     out = tmp_path / "bench.json"
     cmd = [
         sys.executable,

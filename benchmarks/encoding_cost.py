@@ -14,8 +14,8 @@ Memory (``--memory``): inference peak memory at a large grid (default 1024 x 102
 glibc is told to ``mmap`` (and unmap on free) every block of 64 KiB or more, so the resident set tracks live
 tensors rather than cached heap.
 
-    python benchmarks/encodings.py --encodings rope rope_mixed ape
-    python benchmarks/encodings.py --memory --encodings rope rope_mixed alibi
+    python benchmarks/encoding_cost.py --encodings rope rope_mixed ape
+    python benchmarks/encoding_cost.py --memory --encodings rope rope_mixed alibi
 
 ``pape_naive`` (not a registered encoding) is PaPE in the reference implementation's naive widened form
 (``3M + 2`` extra q/k channels instead of ``1 + P(P+1)/2 + P``), same parameters and logits; it is timed beside
