@@ -6,6 +6,7 @@ these tests fail with the install command, never skip.
 
 from __future__ import annotations
 
+import gc
 import os
 import pickle
 import sys
@@ -133,6 +134,10 @@ def test_auto_falls_back_to_pyav_when_decord_cannot_decode(tmp_path):
                 out.mux(packet)
         for packet in stream.encode():
             out.mux(packet)
+    del out, stream, packet
+    # The SVT-AV1 encoder context sits in a reference cycle with its threads; free it now, not in a DataLoader
+    # worker forked by a later test in this process (where freeing it deadlocks on the copied thread state).
+    gc.collect()
     with pytest.raises(VideoDecodeError, match="decord"):
         read_video(path, backend="decord", timeout=30)
     clip = read_video(path, timeout=30)
@@ -269,3 +274,21 @@ def test_decoder_process_is_recycled(monkeypatch):
         read_video(path, indices=[0], size=8, backend="av", timeout=30)
         pids.append(V._decoder().proc.pid)
     assert pids[0] == pids[1] != pids[2]
+
+
+def test_no_pyav_codec_context_outlives_an_in_process_read_or_write(tmp_path, broken_files):
+    # A codec context left in a reference cycle owns FFmpeg threads; freed later inside a forked DataLoader
+    # worker it deadlocks that worker (a hand-written AV1 writer in this file once hung the suite that way).
+    # None may survive the library's own reads and writes.
+    def alive():
+        return [o for o in gc.get_objects() if isinstance(o, av.codec.context.CodecContext)]
+
+    gc.collect()
+    assert not alive()
+    read_video(real_clip_path("carphone_pristine"), num_frames=3, size=16, backend="av", timeout=None)
+    assert not alive()
+    with pytest.raises(VideoDecodeError):
+        read_video(broken_files / "bikes_cut.mp4", backend="av", timeout=None)
+    assert not alive()
+    write_video(tmp_path / "w.mp4", np.zeros((3, 16, 16, 3), np.uint8), fps=5)
+    assert not alive()
