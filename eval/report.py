@@ -723,6 +723,9 @@ def timing_text(timing: dict) -> str:
     if timing.get("estimate_h") is not None:
         out += (f" The whole suite as run is about {timing['cpu_h']:.1f} CPU-hours, i.e. about "
                 f"{timing['estimate_h']:.1f} h on {timing['cores']} idle cores with {timing['cores']} jobs.")
+    if timing.get("last_wall_s"):
+        out += (f" The last `python eval/report.py --suite` took {timing['last_wall_s'] / 60:.0f} min wall with "
+                f"{timing['cores']} jobs (runs already finished are reused, not retrained).")
     return out
 
 
