@@ -187,7 +187,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--vlm-steps", type=int, default=500, help="VLM training steps (batch 32)")
     p.add_argument("--launcher", choices=["deepspeed", "python"], default="deepspeed", help="how to start the VLM run")
     p.add_argument("--ratios", type=float, nargs="+", default=list(LOOKHERE_RATIOS), help="test/train size ratios")
-    p.add_argument("--limit", type=int, default=300, help="validation images per test size")
+    p.add_argument("--limit", type=int, default=200, help="validation images per test size")
     p.add_argument("--lengths", type=int, nargs="+", default=None, help="V-NIAH lengths (default 0.5x ... 16x)")
     p.add_argument("--depths", type=float, nargs="+", default=None, help="needle depths (default 0, 0.2, ... 1)")
     p.add_argument("--samples", type=int, default=10, help="needles per V-NIAH cell")
