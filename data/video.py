@@ -393,7 +393,6 @@ def _read_av(path, num_frames, fps, indices, size) -> Clip:
     last = int(idx.max())
     got: dict[int, np.ndarray] = {}
     k = 0
-    failure = None
     try:
         with av.open(str(path)) as container:
             stream = container.streams.video[0]
@@ -404,11 +403,7 @@ def _read_av(path, num_frames, fps, indices, size) -> Clip:
                 if k > last:
                     break
     except Exception as err:
-        failure = f"PyAV failed while decoding frame {k}: {type(err).__name__}: {err}"
-    # Raised here, unchained: a traceback would keep the decoder's codec context (and its FFmpeg slice
-    # threads) alive in a reference cycle, and a DataLoader worker forked later would free it and deadlock.
-    if failure is not None:
-        raise VideoDecodeError(path, failure)
+        raise VideoDecodeError(path, f"PyAV failed while decoding frame {k}: {err}") from err
     if k <= last:
         raise TruncatedVideoError(path, f"truncated: only {k} of {info.num_frames} frames could be decoded")
     frames = np.stack([got[i] for i in idx.tolist()])

@@ -316,7 +316,7 @@ class PaPENaive(PaPE):
     (152 at M = 50) where :class:`PaPE` appends ``1 + P(P+1)/2 + P``.
 
     Same parameters, same logits (the tests check the two against each other); not registered. It exists so
-    ``benchmarks/encodings.py`` can time the folded form against the formulation it replaces.
+    ``benchmarks/encoding_cost.py`` can time the folded form against the formulation it replaces.
     """
 
     @property
