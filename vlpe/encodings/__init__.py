@@ -4,12 +4,18 @@
 >>> vlpe.encodings.available()[:3]
 ['alibi', 'ape', ...]
 >>> enc = vlpe.encodings.build("rope", dim=384, num_heads=6)
+>>> n = vlpe.encodings.set_scaling(enc, resolution_scaling(14, 28, "yarn"))  # evaluate at twice the grid
 
 Every module in this package registers its encodings with :func:`register`; :func:`available` and
 :func:`build` import them all on first use.
 """
 
 from .base import CLAIMS, HOOKS, Context, Encoding
+from .functional.scaling import resolution_scaling
 from .registry import available, build, get, options_of, register, register_preset
+from .rope import set_scaling
 
-__all__ = ["CLAIMS", "HOOKS", "Context", "Encoding", "available", "build", "get", "options_of", "register", "register_preset"]
+__all__ = [
+    "CLAIMS", "HOOKS", "Context", "Encoding", "available", "build", "get", "options_of", "register", "register_preset",
+    "resolution_scaling", "set_scaling",
+]

@@ -23,14 +23,17 @@ nothing after the learned projections.
 
 from __future__ import annotations
 
-from typing import Literal
+from dataclasses import replace
+from typing import Any, Literal, Mapping
 
 import torch
 from torch import Tensor, nn
 
 from .base import Context, Encoding, fp32
 from .functional.rope import apply_rope, cos_sin, rope_angles
+from .functional.scaling import scale_frequencies
 from .registry import register
+from .rope import RotaryScaling
 
 __all__ = ["ComRoPE", "normalized_grid_coords"]
 
@@ -61,7 +64,7 @@ def normalized_grid_coords(pos, *, prefix_value: float = 0.5, dtype: torch.dtype
 
 
 @register("comrope")
-class ComRoPE(Encoding):
+class ComRoPE(RotaryScaling, Encoding):
     """ComRoPE-AP / ComRoPE-LD (Yu et al., CVPR 2025): RoPE whose rotation ``exp(sum_a p_a A_a)`` uses learned,
     commuting, block-diagonal skew-symmetric generators; checked against dense ``torch.matrix_exp`` of the
     full generators built from the reference's parameterisation (Longin-Yu/ComRoPE ``model.py``).
@@ -72,6 +75,12 @@ class ComRoPE(Encoding):
     per axis and rotates prefix tokens at the centre 0.5; ``coords="raw"`` uses the coordinates as given
     (prefix tokens at 0, unrotated; then the small-grid logits are a block of the large-grid ones).
     ``neutralize()`` zeroes the generators (``R = I``).
+
+    ``scaling`` (``coords="raw"`` only: normalised coordinates already map every resolution into (0, 1)) acts
+    on block j's rate along axis a, ``Theta[a, j] * omega_j`` (``omega_j`` the block's fastest rotation rate,
+    its spectral norm; ``S_j[1, 0]`` for b = 2): ``linear`` divides it by ``s_a``; ``ntk`` / ``yarn`` use the
+    spectrum of the learned rates themselves (per layer and axis, highest to lowest magnitude), and YaRN's
+    ramp is the continuous one (learned rates sit on no pair grid, so ``truncate`` has no effect).
     """
 
     keep_fp32 = True  # exact fp32 parameters/buffers through downcasts (see Encoding.keep_fp32)
@@ -90,6 +99,7 @@ class ComRoPE(Encoding):
         block: int = 2,
         init_std: float = 1.0,
         coords: Literal["normalized", "raw"] = "normalized",
+        scaling: Mapping[str, Any] | None = None,
     ) -> None:
         super().__init__(dim=dim, num_heads=num_heads, depth=depth, num_axes=num_axes)
         if variant not in ("ap", "ld"):
@@ -126,6 +136,7 @@ class ComRoPE(Encoding):
                 mask[a, a::num_axes] = 1.0
             self.register_buffer("axis_mask", mask, persistent=False)
         self.reset_parameters()
+        self._init_scaling(scaling)
 
     def reset_parameters(self) -> None:
         with torch.no_grad():
@@ -133,6 +144,60 @@ class ComRoPE(Encoding):
             if self.variant == "ld":
                 self.multipliers.normal_(0.0, 1.0)
 
+
+    # ------------------------------------------------------------------ scaling
+    @property
+    def accepts_scaling(self) -> bool:
+        return self.coords == "raw"
+
+    def set_scaling(self, scaling):
+        if scaling is not None and self.coords != "raw":
+            raise ValueError(
+                "comrope with coords='normalized' maps every resolution into (0, 1) already; training-free scaling "
+                "needs coords='raw' (positions in patches)"
+            )
+        return super().set_scaling(scaling)
+
+    def rates(self) -> Tensor:
+        """Rotation rate of every block (L, H, D/b): ``S_j[1, 0]`` for b = 2, the spectral norm for b > 2."""
+        S = self.skew()
+        if self.block == 2:
+            return S[..., 1, 0]
+        with torch.autocast(S.device.type, enabled=False):
+            return torch.linalg.matrix_norm(fp32(S), ord=2)
+
+    def _scaling_probe(self) -> Tensor:
+        return self.axis_weights().unsqueeze(1) * self.rates().unsqueeze(2)  # (L, H, A, D/b)
+
+    def spectrum(self) -> dict[str, Any]:
+        """The learned rates' own spectrum per layer and axis: highest / lowest nonzero magnitude (detached)."""
+        with torch.no_grad():
+            w = self._scaling_probe().abs().double()  # (L, H, A, J)
+            hi = w.amax(dim=(1, 3), keepdim=True)  # (L, 1, A, 1)
+            lo = torch.where(w > 0, w, torch.full_like(w, float("inf"))).amin(dim=(1, 3), keepdim=True)
+            lo = torch.where(torch.isfinite(lo), lo, hi).clamp_min(1e-30)
+            hi = hi.clamp_min(1e-30)
+        if self.variant == "ld":
+            pairs: Any = self.num_blocks
+        else:
+            pairs = torch.tensor([len(range(a, self.num_blocks, self.num_axes)) for a in range(self.num_axes)],
+                                 dtype=torch.float64).view(-1, 1)  # (A, 1) blocks per axis
+        return {"hi": hi, "lo": lo, "num_pairs": pairs}
+
+    def scaled(self, freqs: Tensor) -> Tensor:
+        if self.scaling is None:
+            return freqs
+        return scale_frequencies(freqs, replace(self.scaling, truncate=False), **self.spectrum())
+
+    def _check_scaling(self, scaling) -> None:
+        return None  # any learned spectrum is valid (a band of one block keeps its rate under ntk / yarn)
+
+    def _axis_gains(self) -> Tensor:
+        """``Theta[a, j]`` times the scaling gain of its rate, (L, H, A, J) (b > 2)."""
+        F = self._scaling_probe()  # (L, H, A, J)
+        G = self.scaled(F)
+        ratio = torch.where(F != 0, G / torch.where(F != 0, F, torch.ones_like(F)), torch.ones_like(F))
+        return self.axis_weights().unsqueeze(1) * ratio
 
     # ------------------------------------------------------------------ math
     def skew(self) -> Tensor:
@@ -156,10 +221,16 @@ class ComRoPE(Encoding):
         """``exp(t_j(p) S_j)`` for every layer, head, token and block: (B, depth, H, N, D/b, b, b) fp32."""
         with torch.autocast(coords.device.type, enabled=False):
             S = fp32(self.skew())  # (L, H, J, b, b)
-            theta = fp32(self.axis_weights())  # (L, A, J)
-            t = torch.einsum("bna,laj->blnj", fp32(coords).to(S.dtype), theta.to(S.dtype))  # (B, L, N, J)
-            log = t[:, :, None, :, :, None, None] * S[None, :, :, None]  # (B, L, H, N, J, b, b)
-            return torch.matrix_exp(log)
+            if self.scaling is None:
+                theta = fp32(self.axis_weights())  # (L, A, J)
+                t = torch.einsum("bna,laj->blnj", fp32(coords).to(S.dtype), theta.to(S.dtype))  # (B, L, N, J)
+                log = t[:, :, None, :, :, None, None] * S[None, :, :, None]  # (B, L, H, N, J, b, b)
+            else:  # scaled: every head has its own gains
+                theta = fp32(self._axis_gains())  # (L, H, A, J)
+                t = torch.einsum("bna,lhaj->blhnj", fp32(coords).to(S.dtype), theta.to(S.dtype))  # (B, L, H, N, J)
+                log = (t[..., None, None] * S[None, :, :, None]).contiguous()  # (B, L, H, N, J, b, b)
+            R = torch.matrix_exp(log)
+            return R if self.scaling is None else self.temper(R)[0]
 
     def _prepare(self, ctx: Context) -> None:
         c = self.positions_of(ctx.pos)  # (B, N, A)
@@ -167,8 +238,8 @@ class ComRoPE(Encoding):
             S = self.skew()
             omega = S[..., 1, 0]  # (L, H, J): exp(t S) rotates pair j by t * omega
             freqs = self.axis_weights().unsqueeze(1) * omega.unsqueeze(2)  # (L, H, A, J)
-            angles = rope_angles(c, freqs)  # (B, L, H, N, J)
-            ctx["cos"], ctx["sin"] = cos_sin(angles)
+            angles = rope_angles(c, self.scaled(freqs))  # (B, L, H, N, J)
+            ctx["cos"], ctx["sin"] = self.temper(*cos_sin(angles))
         else:
             R = self.block_rotations(c)  # (B, L, H, N, J, b_out, b_in)
             ctx["rot"] = R.permute(0, 1, 2, 3, 5, 6, 4).contiguous()  # (B, L, H, N, b_out, b_in, J)
@@ -211,5 +282,5 @@ class ComRoPE(Encoding):
     def extra_repr(self) -> str:
         return (
             f"{super().extra_repr()}, variant={self.variant!r}, block={self.block}, init_std={self.init_std}, "
-            f"coords={self.coords!r}"
+            f"coords={self.coords!r}{self.scaling_repr()}"
         )

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from typing import Literal
+from typing import Any, Literal, Mapping
 
 import torch
 from torch import Tensor, nn
@@ -11,6 +11,7 @@ from torch import Tensor, nn
 from .base import Context, Encoding
 from .functional.rope import apply_rope, axial_inv_freq, cos_sin, rope_angles, to_half, to_interleaved
 from .registry import register
+from .rope import RotaryScaling
 
 __all__ = ["RoPEMixed", "init_mixed_freqs"]
 
@@ -60,7 +61,7 @@ def init_mixed_freqs(
 
 
 @register("rope_mixed")
-class RoPEMixed(Encoding):
+class RoPEMixed(RotaryScaling, Encoding):
     """RoPE-Mixed (Heo et al., "Rotary Position Embedding for Vision Transformer", ECCV 2024,
     naver-ai/rope-vit): each layer and head learns, per rotation pair, a frequency *vector* over the axes, so
     the angle ``f . p`` can follow diagonal directions.
@@ -73,6 +74,11 @@ class RoPEMixed(Encoding):
     use its ``torch_autocast`` mode to keep them fp32), angles are fp32 under autocast, and ``freqs`` is
     excluded from weight decay. The cos/sin tables of all layers, ``(B or 1, depth, H, N, D/2)``, are built
     once per forward. Prefix tokens sit at coordinate 0 and are not rotated.
+
+    ``scaling``: ``linear`` divides every frequency component along axis a by ``s_a`` (positions divided by
+    ``s_a``); ``ntk`` / ``yarn`` scale each component by the gain a fixed RoPE frequency of the same magnitude
+    would get, on the init spectrum ``theta ** (-k / P)`` (P pairs per axis; :mod:`vlpe.encodings.functional.scaling`).
+    The learned parameters are untouched.
     """
 
     keep_fp32 = True  # exact fp32 parameters/buffers through downcasts (see Encoding.keep_fp32)
@@ -89,6 +95,7 @@ class RoPEMixed(Encoding):
         theta: float = 10.0,
         rotate: bool = True,
         layout: Literal["half", "interleaved"] = "half",
+        scaling: Mapping[str, Any] | None = None,
     ) -> None:
         super().__init__(dim=dim, num_heads=num_heads, depth=depth, num_axes=num_axes)
         if theta <= 0:
@@ -101,6 +108,8 @@ class RoPEMixed(Encoding):
         self.freqs = nn.Parameter(
             init_mixed_freqs(self.head_dim, depth, num_heads, num_axes, theta=theta, rotate=rotate)
         )
+        self.band_pairs = self.head_dim // 2 // num_axes  # pairs per axis of the init spectrum
+        self._init_scaling(scaling)
 
     def reset_parameters(self) -> None:
         with torch.no_grad():
@@ -112,12 +121,13 @@ class RoPEMixed(Encoding):
 
 
     def _prepare(self, ctx: Context) -> None:
-        angles = rope_angles(ctx.pos.coords, self.freqs)  # (B, L, H, N, D/2)
+        angles = rope_angles(ctx.pos.coords, self.scaled(self.freqs))  # (B, L, H, N, D/2)
         if angles.requires_grad:
             cos, sin = cos_sin(angles)
         else:  # inference: sin in place, one (L, H, N, D/2) table less at the peak
             with torch.autocast(angles.device.type, enabled=False):
                 cos, sin = angles.cos(), angles.sin_()
+        cos, sin = self.temper(cos, sin)
         ctx["cos"], ctx["sin"] = cos, sin
         # per-layer views from one unbind: their gradients meet in one stack, not L full-size selects
         ctx["layers"] = tuple(zip(cos.unbind(1), sin.unbind(1)))  # L x ((B, H, N, D/2), (B, H, N, D/2))
@@ -142,4 +152,4 @@ class RoPEMixed(Encoding):
         return {"freqs"}
 
     def extra_repr(self) -> str:
-        return f"{super().extra_repr()}, theta={self.theta}, layout={self.layout!r}"
+        return f"{super().extra_repr()}, theta={self.theta}, layout={self.layout!r}{self.scaling_repr()}"

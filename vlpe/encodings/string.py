@@ -11,12 +11,15 @@ the logits equal those of the full ``R(r)`` exactly.
 
 from __future__ import annotations
 
+from typing import Any, Mapping
+
 import torch
 from torch import Tensor, nn
 
 from .base import Context, Encoding, fp32
 from .functional.rope import apply_rope, axial_inv_freq, cos_sin, rope_angles
 from .registry import register
+from .rope import RotaryScaling
 
 __all__ = ["CayleySTRING", "cayley"]
 
@@ -32,7 +35,7 @@ def cayley(S: Tensor) -> Tensor:
 
 
 @register("string")
-class CayleySTRING(Encoding):
+class CayleySTRING(RotaryScaling, Encoding):
     """Cayley-STRING (Schenck et al., ICML 2025): axial RoPE (vlpe ``rope``: ``theta``, half layout, prefix
     tokens unrotated) in a learned orthonormal basis ``P = (I - S)(I + S)^{-1}`` per layer and head.
 
@@ -41,6 +44,7 @@ class CayleySTRING(Encoding):
     encoding equals ``rope``. ``skew`` (depth, H, D, D) holds S through its antisymmetric part
     ``S = (W - W^T) / 2``; it stays fp32 under ``.bfloat16()``. P is built once per forward (all layers), the
     basis change and rotation run in fp32. ``neutralize()`` zeroes the frequencies (``R = P P^T = I``).
+    ``scaling`` scales the axial RoPE frequencies as for ``rope`` (the basis P is untouched).
     """
 
     keep_fp32 = True  # exact fp32 parameters/buffers through downcasts (see Encoding.keep_fp32)
@@ -55,6 +59,7 @@ class CayleySTRING(Encoding):
         depth: int = 12,
         num_axes: int = 2,
         theta: float = 100.0,
+        scaling: Mapping[str, Any] | None = None,
     ) -> None:
         super().__init__(dim=dim, num_heads=num_heads, depth=depth, num_axes=num_axes)
         if theta <= 0:
@@ -62,6 +67,8 @@ class CayleySTRING(Encoding):
         self.theta = float(theta)
         self.register_buffer("freqs", axial_inv_freq(self.head_dim, num_axes, self.theta), persistent=False)
         self.skew = nn.Parameter(torch.zeros(depth, num_heads, self.head_dim, self.head_dim))
+        self.band_pairs = self.head_dim // 2 // num_axes
+        self._init_scaling(scaling)
 
 
     def basis(self) -> Tensor:
@@ -71,8 +78,8 @@ class CayleySTRING(Encoding):
             return cayley(0.5 * (W - W.transpose(-1, -2)))
 
     def _prepare(self, ctx: Context) -> None:
-        angles = rope_angles(ctx.pos.coords, self.freqs)  # (B, N, D/2)
-        cos, sin = cos_sin(angles)
+        angles = rope_angles(ctx.pos.coords, self.scaled(self.freqs))  # (B, N, D/2)
+        cos, sin = self.temper(*cos_sin(angles))
         ctx["cos"], ctx["sin"] = cos.unsqueeze(1), sin.unsqueeze(1)  # (B, 1, N, D/2)
         ctx["basis"] = self.basis()  # (L, H, D, D)
 
@@ -91,8 +98,8 @@ class CayleySTRING(Encoding):
         """Dense ``R(r) = P RoPE(r) P^T`` (B, H, N, D, D), for tests and plots."""
         P = self.basis()[layer]  # (H, D, D)
         D = self.head_dim
-        angles = rope_angles(coords, self.freqs)  # (B, N, D/2)
-        cos, sin = cos_sin(angles)
+        angles = rope_angles(coords, self.scaled(self.freqs))  # (B, N, D/2)
+        cos, sin = self.temper(*cos_sin(angles))
         eye = torch.eye(D, dtype=cos.dtype, device=cos.device)
         rope = apply_rope(eye.expand(*cos.shape[:2], D, D).transpose(-1, -2), cos.unsqueeze(-2), sin.unsqueeze(-2))
         rope = rope.transpose(-1, -2).unsqueeze(1).to(P.dtype)  # (B, 1, N, D, D): column m = RoPE(r) e_m
@@ -106,4 +113,4 @@ class CayleySTRING(Encoding):
         return {"skew"}
 
     def extra_repr(self) -> str:
-        return f"{super().extra_repr()}, theta={self.theta}"
+        return f"{super().extra_repr()}, theta={self.theta}{self.scaling_repr()}"

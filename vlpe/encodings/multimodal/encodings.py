@@ -9,7 +9,7 @@ variant of :func:`vlpe.encodings.multimodal.rotary` uses the same frequencies an
 
 from __future__ import annotations
 
-from typing import ClassVar, Literal, Sequence
+from typing import Any, ClassVar, Literal, Mapping, Sequence
 
 import torch
 from torch import Tensor
@@ -39,7 +39,11 @@ __all__ = [
 
 
 class MultimodalRoPE(RotaryEncoding):
-    """Base: a multimodal variant's allocation as an ``(A, D/2)`` frequency buffer (``(H, A, D/2)`` per head)."""
+    """Base: a multimodal variant's allocation as an ``(A, D/2)`` frequency buffer (``(H, A, D/2)`` per head).
+
+    ``scaling`` (linear / ntk / yarn, a factor per axis ``t``/``h``/``w``) scales the frequencies of the pairs
+    each axis reads, as :func:`vlpe.encodings.multimodal.rotary` does (one shared primitive).
+    """
 
     variant: ClassVar[str] = ""
 
@@ -53,6 +57,7 @@ class MultimodalRoPE(RotaryEncoding):
         theta: float | None = None,
         section: Sequence[int] | None = None,
         layout: Literal["half", "interleaved"] = "half",
+        scaling: Mapping[str, Any] | None = None,
     ) -> None:
         super().__init__(dim=dim, num_heads=num_heads, depth=depth, num_axes=num_axes, layout=layout)
         v = self.spec
@@ -61,6 +66,7 @@ class MultimodalRoPE(RotaryEncoding):
             raise ValueError(f"theta must be > 0, got {theta}")
         self.section = None if section is None else tuple(section)
         self.register_buffer("freqs", self._frequencies(), persistent=False)
+        self._init_scaling(scaling)
 
     @property
     def spec(self) -> Variant:
@@ -173,10 +179,6 @@ class MultiHeadRoPE(MultimodalRoPE):
         amap = allocation_map("multi_head", num_pairs=self.head_dim // 2, section=self.section, num_kv_heads=Hkv)
         return amap.repeat_interleave(H // Hkv, dim=0)  # (H, D/2): query head j reads KV head j // rep
 
-    def _prepare(self, ctx: Context) -> None:
-        cos, sin = cos_sin(rope_angles(ctx.pos.coords, self.freqs))  # (B, H, N, D/2)
-        ctx["cos"], ctx["sin"] = cos, sin
-
 
 @register("videorope")
 class VideoRoPE(MultimodalRoPE):
@@ -277,13 +279,17 @@ class PyPE(MultimodalRoPE):
             raise ValueError(f"PyPE: layer must be in [0, depth={self.depth}), got {layer}")
         return 0 if self.num_axes == 1 else layer
 
+    def _scaling_probe(self) -> Tensor:
+        return self.freqs.expand(self.num_axes, -1)
+
     def _prepare(self, ctx: Context) -> None:
         ctx["coords"] = ctx.pos.coords  # per-layer tables are built in rotate (they differ per layer)
+        ctx["freqs"] = self.scaled(self.freqs.expand(self.num_axes, -1))  # (A, D/2): row a for the layers of axis a
 
     def rotate(self, q: Tensor, k: Tensor, ctx: Context, layer: int) -> tuple[Tensor, Tensor]:
         a = self._axis(layer)
         coords = ctx["coords"][..., a : a + 1]  # (B, N, 1)
-        cos, sin = cos_sin(rope_angles(coords, self.freqs))  # (B, N, D/2)
+        cos, sin = self.temper(*cos_sin(rope_angles(coords, ctx["freqs"][a : a + 1])))  # (B, N, D/2)
         cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
         if self.layout == "interleaved":
             return to_interleaved(apply_rope(to_half(q), cos, sin)), to_interleaved(apply_rope(to_half(k), cos, sin))

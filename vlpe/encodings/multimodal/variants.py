@@ -9,9 +9,10 @@ import torch
 from torch import Tensor
 
 from ..functional.rope import apply_rope, cos_sin, inv_freq as _inv_freq, rope_angles
+from ..functional.scaling import parse_scaling, scale_frequencies
 from .allocations import ALLOCATIONS, allocation_map, axes_of, frequency_matrix
 from .designs import DESIGNS, assemble, get_design
-from .layout import token_layout
+from .layout import packed_samples, token_layout
 
 __all__ = [
     "Variant",
@@ -23,6 +24,7 @@ __all__ = [
     "apply_rotary_pos_emb",
     "merge_grids",
     "pype_attention_mask",
+    "text_position_ids",
 ]
 
 _AXES = {"1d": 1, "v2pe": 1, "vrope": 4}  # every other design but pype has (t, h, w); pype has one per layer
@@ -129,12 +131,18 @@ def position_ids(
     attention_mask: Tensor | None = None,
     spatial_merge_size: int = 2,
     *,
+    cu_seqlens: Tensor | Sequence | None = None,
     pad_position: float = 1,
     dtype: torch.dtype | None = None,
     validate: bool = True,
     **options: Any,
 ) -> tuple[Tensor, Tensor]:
     """Multimodal position ids and rope deltas of a batch (Hugging Face 5.x argument conventions).
+
+    With ``cu_seqlens`` every row packs several samples, and every sample gets exactly the ids (and delta) it
+    gets alone: text positions restart at each sample boundary and the vision blocks (``grid_thw`` rows, in
+    order of appearance over the flattened batch) belong to the samples they appear in. Padding may sit inside
+    any sample (``attention_mask``), as it would alone.
 
     Args:
         variant: a registered variant name or a :class:`Variant`.
@@ -144,6 +152,11 @@ def position_ids(
             text only.
         attention_mask: ``(B, S)`` 1 real / 0 padding (any padding side); None when all tokens are real.
         spatial_merge_size: patches merged per axis into one decoder token.
+        cu_seqlens: packed rows (flash-attention varlen convention, cumulative sample lengths from 0): one 1-D
+            tensor ``(n + 1,)`` over the flattened ``B * S`` tokens (for ``B = 1`` the row's own boundaries;
+            for ``B > 1`` every row boundary ``b * S`` must be an entry), or one 1-D sequence per row (a list of
+            B, or a ``(B, k + 1)`` tensor), each from 0 to ``S``. Samples are numbered in order over the
+            flattened batch; equal consecutive entries are empty samples. None: every row is one sample.
         pad_position: the id given to padding slots (1, as the released Qwen2-VL code).
         dtype: output dtype; default int64 for integer designs, float32 for fractional ones (use float64 for
             V2PE beyond ~1e6 positions).
@@ -154,14 +167,22 @@ def position_ids(
     Returns:
         ``position_ids`` ``(A, B, S)`` and ``rope_deltas`` ``(B, 1)`` (``(B, A)`` for PyPE, one per layer):
         the next free position minus the number of real tokens, so a generated token at real index ``n``
-        gets ``n + delta`` on every axis (:func:`decode_position_ids`).
+        gets ``n + delta`` on every axis (:func:`decode_position_ids`). With ``cu_seqlens``, ``rope_deltas``
+        is ``(n, 1)`` (PyPE ``(n, A)``): one row per packed sample, in order over the flattened batch, each
+        the sample's own delta (an empty sample's is 0).
+
+    Raises:
+        ValueError: unknown variant or option, or (``validate``) inputs that do not fit together: token types
+            outside 0/1/2, a ``grid_thw`` whose rows do not match the vision blocks, ``cu_seqlens`` that do not
+            start at 0, decrease, or do not end at the row length, or a vision block straddling a sample
+            boundary.
     """
     v = get_variant(variant)
     design = get_design(v.design)
     opts = design.options({**v.design_options, **options})
     layout = token_layout(
         mm_token_type_ids, grid_thw, attention_mask, spatial_merge_size=spatial_merge_size,
-        split_frames=design.split_frames,
+        split_frames=design.split_frames, cu_seqlens=cu_seqlens,
     )
     out = design.fn(layout, opts)
     if validate:
@@ -231,6 +252,7 @@ def rotary(
     rotary_dim: int | None = None,
     inv_freq: Tensor | None = None,
     attention_scaling: float = 1.0,
+    scaling: Mapping[str, Any] | None = None,
     layer: int | None = None,
     dtype: torch.dtype = torch.float32,
 ) -> tuple[Tensor, Tensor]:
@@ -251,6 +273,11 @@ def rotary(
         allocation, section: override the variant's frequency allocation / its section.
         inv_freq: ``(rotary_dim/2,)`` inverse frequencies to use instead of ``theta`` (e.g. YaRN-scaled ones
             from ``transformers.modeling_rope_utils``), with their ``attention_scaling``.
+        scaling: training-free scaling ``{"type": "linear" | "ntk" | "yarn", "factor": s, ...}``
+            (:mod:`vlpe.encodings.functional.scaling`): ``factor`` a scalar or per axis (``{"t": 4}`` scales only
+            the pairs that read time), ``original_size`` the training extent in position ids (YaRN); with a
+            scalar factor this is transformers' ``rope_type`` linear / yarn of the same ``theta``. YaRN's attention
+            factor multiplies cos and sin. PyPE takes one factor for all layers.
         layer: PyPE only: the decoder layer whose table to return.
         dtype: dtype of the returned tables.
     """
@@ -269,6 +296,8 @@ def rotary(
     theta = v.theta if theta is None else float(theta)
     if theta <= 0:
         raise ValueError(f"theta must be > 0, got {theta}")
+    if scaling is not None and inv_freq is not None:
+        raise ValueError("give scaling= (vlpe scales the frequencies of theta) or inv_freq= (already scaled), not both")
     if inv_freq is None:
         freqs = _inv_freq(K, theta, dim=rotary_dim, device=ids.device)
     else:
@@ -277,6 +306,7 @@ def rotary(
             raise ValueError(f"inv_freq must have rotary_dim / 2 = {K} entries, got {freqs.numel()}")
 
     per_layer = get_design(v.design).name == "pype"
+    spectrum = {"hi": 1.0, "lo": theta ** (-(K - 1) / K), "num_pairs": K}  # the frequencies of theta
     if per_layer:
         if layer is not None:
             if not 0 <= layer < ids.shape[0]:
@@ -285,6 +315,8 @@ def rotary(
         coords = ids.unsqueeze(-1)  # (L, B, S, 1): every layer is its own 1D position
         amap = allocation_map("none", num_pairs=K, device=ids.device)
         F = frequency_matrix(amap, freqs, 1)  # (1, K)
+        plan = parse_scaling(scaling, num_axes=1, who=f"rotary({v.label!r})")
+        F = scale_frequencies(F, plan, **spectrum)
         angles = rope_angles(coords.flatten(0, 1), F).reshape(*ids.shape, K)  # (L, B, S, K)
         if layer is not None:
             angles = angles[0]
@@ -302,7 +334,11 @@ def rotary(
         amap = allocation_map(alloc, num_pairs=K, num_axes=A, section=sec, num_kv_heads=num_kv_heads,
                               device=ids.device)
         F = frequency_matrix(amap, freqs, A)  # (A, K) or (H_kv, A, K)
+        plan = parse_scaling(scaling, num_axes=A, who=f"rotary({v.label!r})")
+        F = scale_frequencies(F, plan, **spectrum)
         angles = rope_angles(ids.permute(1, 2, 0), F)  # (B, S, K) or (B, H_kv, S, K)
+    if plan is not None:
+        attention_scaling = attention_scaling * plan.attention_factor
     cos, sin = cos_sin(angles)
     cos, sin = torch.cat([cos, cos], dim=-1), torch.cat([sin, sin], dim=-1)
     if attention_scaling != 1.0:
@@ -376,7 +412,11 @@ def merge_grids(
 
 
 def pype_attention_mask(
-    position_ids: Tensor, layer: int | None = None, attention_mask: Tensor | None = None
+    position_ids: Tensor,
+    layer: int | None = None,
+    attention_mask: Tensor | None = None,
+    *,
+    cu_seqlens: Tensor | Sequence | None = None,
 ) -> Tensor:
     """PyPE's attention mask as a keep mask ``(B, 1, S, S)``: query q sees key k iff ``pos(k) <= pos(q)``.
 
@@ -384,7 +424,8 @@ def pype_attention_mask(
     image a token sees every token of its own or an outer ring (``rho(k) <= rho(q)``, same-ring tokens
     bidirectionally), and image tokens see all earlier text. It replaces the causal mask. ``position_ids``
     is ``(depth, B, S)`` with ``layer`` given, or one layer's ``(B, S)``; ``attention_mask`` (B, S) hides
-    padded keys.
+    padded keys; ``cu_seqlens`` (packed rows, the forms :func:`position_ids` takes and has validated) keeps
+    every query inside its own sample (block diagonal).
     """
     ids = torch.as_tensor(position_ids)
     if ids.dim() == 3:
@@ -396,4 +437,42 @@ def pype_attention_mask(
     keep = ids.unsqueeze(-2) <= ids.unsqueeze(-1)  # (B, S_q, S_k): pos(k) <= pos(q)
     if attention_mask is not None:
         keep = keep & attention_mask.bool().unsqueeze(-2)
+    if cu_seqlens is not None:
+        sample = packed_samples(cu_seqlens, *ids.shape, device=ids.device).index  # (B, S)
+        keep = keep & (sample.unsqueeze(-2) == sample.unsqueeze(-1))
     return keep.unsqueeze(1)
+
+
+def text_position_ids(
+    shape: tuple[int, int] | Tensor,
+    attention_mask: Tensor | None = None,
+    *,
+    cu_seqlens: Tensor | Sequence | None = None,
+    device: torch.device | None = None,
+) -> Tensor:
+    """The Hugging Face 1D text row ``(B, S)``: every real token's index among the real tokens of its sample.
+
+    Padding slots get 0. Without ``cu_seqlens`` a row is one sample (``cumsum(mask) - 1``); with it (the forms
+    :func:`position_ids` takes) the index restarts at every packed sample, which is what Hugging Face models
+    read packed sequences from (``position_ids[0]`` of a 4-row tensor, or flash-attention's varlen boundaries).
+
+    Args:
+        shape: ``(B, S)``, or a ``(B, S)`` tensor (e.g. ``mm_token_type_ids``) whose shape and device are used.
+        attention_mask: ``(B, S)`` 1 real / 0 padding; None: every token is real.
+    """
+    if isinstance(shape, Tensor):
+        device = shape.device if device is None else device
+        shape = tuple(shape.shape)
+    B, S = (int(n) for n in shape)
+    if attention_mask is None:
+        valid = torch.ones(B, S, dtype=torch.int64, device=device)
+    else:
+        valid = torch.as_tensor(attention_mask, device=device)
+        if tuple(valid.shape) != (B, S):
+            raise ValueError(f"attention_mask must have shape {(B, S)}, got {tuple(valid.shape)}")
+        valid = (valid != 0).to(torch.int64)
+    if cu_seqlens is None:
+        index = valid.cumsum(-1) - valid
+    else:
+        index, _ = packed_samples(cu_seqlens, B, S, device=valid.device).cumsum(valid)
+    return index * valid  # (B, S)
