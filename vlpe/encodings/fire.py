@@ -1,0 +1,220 @@
+"""FIRE: a learned function of the normalised relative position, added to the attention logits, for nD coordinates.
+
+Li et al., "Functional Interpolation for Relative Positions Improves Long Context Transformers" (ICLR 2024,
+arXiv 2310.04418). The 1D bias is ``b_h(i, j) = f_h(psi(i - j) / psi(max(L, i)))`` with
+``psi(x) = log(c x + 1)``, a learnable ``c`` (init 0.1), a learnable threshold ``L`` (``|l| * init_L``, the
+paper's multiplier parametrisation) and ``f`` a two-layer ReLU MLP of width 32 mapping to the H heads.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Literal
+
+import torch
+from torch import Tensor, nn
+
+from .alibi import pairwise_distance
+from .base import Context, Encoding
+from .registry import register
+
+__all__ = ["FIRE"]
+
+_EPS = 1e-6  # keeps the normaliser away from 0 (the paper's eps)
+
+
+@register("fire")
+class FIRE(Encoding):
+    """FIRE (Li et al., ICLR 2024) for images, videos and point clouds: a per-layer MLP of log-compressed,
+    normalised offsets, ``b_h(i, j) = f_h(psi(d_ij) / (psi(T) + eps))``, ``psi(x) = log(|c| x + 1)``.
+
+    Choices the 1D causal paper leaves open, made here for bidirectional vision tokens:
+
+    * offsets: ``distance="axial"`` (default) feeds the A signed per-axis offsets
+      ``sign(p_i - p_j) psi(|p_i - p_j|)`` (direction kept: left and right differ), the MLP maps A inputs to H;
+      ``distance="euclidean"`` feeds one input, ``psi(||p_i - p_j||_2)`` (isotropic, rotation invariant).
+    * normaliser ``T``: the paper's ``max(L, i)`` uses the query's absolute index (the number of keys a causal
+      query sees), which would break shift invariance. Here the analogue of "how far can a key be" is the
+      extent of the token coordinates: ``normalize="extent"`` (default) uses ``T = max(L, extent)``, the
+      extent being per sample the range ``max - min`` of the non-prefix, non-padding coordinates per axis
+      (axial) or the diagonal of that bounding box (euclidean). It is invariant to shifts, so ``relative``
+      holds, and larger test images are *interpolated* into the trained input range (the paper's progressive
+      interpolation); the bias of a sub-grid therefore differs from its block in a larger grid (no
+      ``extrapolation``). ``normalize="threshold"`` uses ``T = L`` only: the bias is a function of the offset
+      alone, so ``extrapolation`` holds as well (and ``rotation_invariant`` with ``distance="euclidean"``).
+      ``init_L`` defaults to 4 patches, about the paper's ratio of L to its training length (512 / 2048) at a
+      16-patch image.
+    * prefix tokens (CLS, registers) have no position: every pair with a prefix token gets zero bias, as in
+      vlpe's ``alibi``.
+
+    Each layer has its own ``c``, ``l`` and MLP (the paper's module per attention layer). The MLP weights are
+    the module's own fp32 parameters (``keep_fp32``), and offsets, ``psi`` and the MLP run in fp32 with
+    autocast off. ``score`` builds only the requested query rows; ``flex`` returns an analytic ``score_mod``
+    computing the MLP from captured ``(B, N)`` coordinate columns, so nothing N x N is stored.
+    ``neutralize()`` zeroes the output layer. Checked against a slow explicit per-pair loop in
+    tests/test_fire.py.
+    """
+
+    keep_fp32 = True  # exact fp32 parameters through downcasts (see Encoding.keep_fp32)
+
+    claims = frozenset({"relative", "neutral", "fp32_angles"})
+
+    def __init__(
+        self,
+        *,
+        dim: int,
+        num_heads: int,
+        depth: int = 12,
+        num_axes: int = 2,
+        distance: Literal["axial", "euclidean"] = "axial",
+        normalize: Literal["extent", "threshold"] = "extent",
+        hidden: int = 32,
+        init_c: float = 0.1,
+        init_L: float = 4.0,
+    ) -> None:
+        super().__init__(dim=dim, num_heads=num_heads, depth=depth, num_axes=num_axes)
+        if distance not in ("axial", "euclidean"):
+            raise ValueError(f"fire: distance must be 'axial' (per-axis offsets) or 'euclidean', got {distance!r}")
+        if normalize not in ("extent", "threshold"):
+            raise ValueError(
+                f"fire: normalize must be 'extent' (max(L, coordinate extent)) or 'threshold' (L), got {normalize!r}"
+            )
+        if not (isinstance(hidden, int) and hidden >= 1):
+            raise ValueError(f"fire: hidden must be a positive int (the MLP width, 32 in the paper), got {hidden!r}")
+        if not (init_c > 0 and math.isfinite(init_c)):
+            raise ValueError(f"fire: init_c must be a finite number > 0 (the paper uses 0.1), got {init_c}")
+        if not (init_L > 0 and math.isfinite(init_L)):
+            raise ValueError(f"fire: init_L must be a finite number > 0 (a threshold in coordinate units), got {init_L}")
+        self.distance = distance
+        self.normalize = normalize
+        self.hidden = hidden
+        self.init_c = float(init_c)
+        self.init_L = float(init_L)
+        F = num_axes if distance == "axial" else 1  # MLP inputs
+        self.num_inputs = F
+        self.c = nn.Parameter(torch.full((depth,), self.init_c))  # (layers,)
+        self.l = nn.Parameter(torch.ones(depth))  # (layers,) L = |l| * init_L
+        self.w1 = nn.Parameter(torch.empty(depth, hidden, F))
+        self.b1 = nn.Parameter(torch.empty(depth, hidden))
+        self.w2 = nn.Parameter(torch.empty(depth, num_heads, hidden))
+        self.b2 = nn.Parameter(torch.empty(depth, num_heads))
+        self.reset_parameters()
+        extra = set()
+        if normalize == "threshold":
+            extra.add("extrapolation")
+            if distance == "euclidean":
+                extra.add("rotation_invariant")
+        if extra:
+            self.claims = self.claims | extra
+
+    def reset_parameters(self) -> None:
+        """``nn.Linear``'s default init for both layers (uniform in +-1/sqrt(fan_in))."""
+        with torch.no_grad():
+            for w, b, fan_in in ((self.w1, self.b1, self.num_inputs), (self.w2, self.b2, self.hidden)):
+                bound = 1.0 / math.sqrt(fan_in)
+                w.uniform_(-bound, bound)
+                b.uniform_(-bound, bound)
+            self.c.fill_(self.init_c)
+            self.l.fill_(1.0)
+
+    # ------------------------------------------------------------------ per forward
+    def _prepare(self, ctx: Context) -> None:
+        pos = ctx.pos
+        with torch.autocast(pos.device.type, enabled=False):
+            coords = pos.coords if pos.coords.dtype == torch.float64 else pos.coords.float()  # (B, N, A)
+            ctx["coords"] = coords
+            ctx["patch"] = (~pos.is_prefix).to(coords.dtype)  # (N,) 0 for prefix tokens
+            if self.normalize == "extent":
+                ctx["extent"] = self._extent(pos, coords)  # (B, F)
+
+    def _extent(self, pos, coords: Tensor) -> Tensor:
+        """Per-sample coordinate extent of the non-prefix, non-padding tokens: ``(B, F)`` (F = A or 1)."""
+        patch = coords[:, pos.prefix :]  # (B, M, A)
+        if patch.shape[1] == 0:
+            rng = coords.new_zeros(coords.shape[0], coords.shape[2])
+        elif pos.valid is None:
+            rng = patch.amax(1) - patch.amin(1)  # (B, A)
+        else:
+            ok = pos.valid[:, pos.prefix :, None]  # (B', M, 1)
+            big = torch.finfo(coords.dtype).max
+            hi = torch.where(ok, patch, -big).amax(1)
+            lo = torch.where(ok, patch, big).amin(1)
+            rng = (hi - lo).clamp_min(0)  # (B', A); a sample without real tokens gets 0
+        if self.distance == "euclidean":
+            rng = rng.square().sum(-1, keepdim=True).sqrt()  # (B, 1): the bounding-box diagonal
+        return rng
+
+    def _psi(self, x: Tensor, layer: int) -> Tensor:
+        return torch.log1p(self.c[layer].abs().to(x.dtype) * x)
+
+    def _denominator(self, ctx: Context, layer: int, dtype: torch.dtype) -> Tensor:
+        """``psi(T) + eps`` per sample and input: ``(B, F)`` (extent) or ``(1, 1)`` (threshold)."""
+        L = (self.l[layer].abs() * self.init_L).to(dtype)
+        T = torch.maximum(ctx["extent"].to(dtype), L) if self.normalize == "extent" else L.reshape(1, 1)
+        return self._psi(T, layer) + _EPS
+
+    # ------------------------------------------------------------------ hooks
+    def score(self, q: Tensor, k: Tensor, ctx: Context, layer: int, rows: slice | None = None) -> Tensor:
+        coords, patch = ctx["coords"], ctx["patch"]
+        rows = slice(None) if rows is None else rows
+        with torch.autocast(coords.device.type, enabled=False):
+            dt = coords.dtype
+            if self.distance == "euclidean":
+                x = self._psi(pairwise_distance(coords[:, rows], coords), layer)[..., None]  # (B, n, N, 1)
+            else:
+                d = coords[:, rows, None, :] - coords[:, None, :, :]  # (B, n, N, A)
+                x = torch.sign(d) * self._psi(d.abs(), layer)
+            x = x / self._denominator(ctx, layer, dt)[:, None, None, :]  # (B, n, N, F)
+            h = torch.relu(x @ self.w1[layer].to(dt).T + self.b1[layer].to(dt))  # (B, n, N, hidden)
+            out = h @ self.w2[layer].to(dt).T + self.b2[layer].to(dt)  # (B, n, N, H)
+            out = out * (patch[rows, None] * patch[None, :])[..., None]  # prefix rows / columns: zero
+            return out.permute(0, 3, 1, 2)  # (B, H, n, N)
+
+    def flex(self, q: Tensor, k: Tensor, ctx: Context, layer: int):
+        coords = ctx["coords"]
+        B = q.shape[0]
+        dt = coords.dtype
+        cols = [coords[..., a].expand(B, -1).contiguous() for a in range(coords.shape[-1])]  # A x (B, N)
+        den = self._denominator(ctx, layer, dt).expand(B, self.num_inputs).contiguous()  # (B, F)
+        c = self.c[layer].abs().to(dt)
+        w1, b1 = self.w1[layer].to(dt), self.b1[layer].to(dt)  # (hidden, F), (hidden,)
+        w2t, b2 = self.w2[layer].to(dt).T.contiguous(), self.b2[layer].to(dt)  # (hidden, H), (H,)
+        prefix, euclid, F, hidden = ctx.pos.prefix, self.distance == "euclidean", self.num_inputs, self.hidden
+        if q.device.type == "cpu" or not torch.is_grad_enabled():
+            # CPU FlexAttention has no backward, and it cannot compile captured tensors that require grad
+            den, c, w1, b1, w2t, b2 = (t.detach() for t in (den, c, w1, b1, w2t, b2))
+
+        def score_mod(score, b, h, q_idx, kv_idx):
+            diffs = [col[b, q_idx] - col[b, kv_idx] for col in cols]
+            if euclid:
+                d2 = diffs[0] * diffs[0]
+                for d in diffs[1:]:
+                    d2 = d2 + d * d
+                xs = [torch.log1p(c * torch.sqrt(d2)) / den[b, 0]]
+            else:
+                xs = [torch.sign(d) * torch.log1p(c * d.abs()) / den[b, f] for f, d in enumerate(diffs)]
+            bias = b2[h]
+            for u in range(hidden):  # the MLP, one hidden unit at a time (pointwise ops only)
+                pre = b1[u]
+                for f in range(F):
+                    pre = pre + w1[u, f] * xs[f]
+                bias = bias + w2t[u][h] * torch.relu(pre)
+            if prefix:
+                bias = torch.where((q_idx < prefix) | (kv_idx < prefix), torch.zeros_like(bias), bias)
+            return score + bias.to(score.dtype)
+
+        return score_mod, None
+
+    def neutralize(self) -> FIRE:
+        self.w2.zero_()
+        self.b2.zero_()
+        return self
+
+    def no_weight_decay(self) -> set[str]:
+        return {"c", "l"}
+
+    def extra_repr(self) -> str:
+        return (
+            f"{super().extra_repr()}, distance={self.distance!r}, normalize={self.normalize!r}, "
+            f"hidden={self.hidden}, init_c={self.init_c}, init_L={self.init_L}"
+        )
