@@ -422,3 +422,193 @@ def test_padding_side_and_input_dtypes(pad):
     ids, deltas = mm.position_ids("mrope", types.int(), grid.int(), attention_mask=mask.bool())
     ref_ids, ref_deltas = released_mrope_loop(types, mask, grid)
     assert torch.equal(ids, ref_ids) and torch.equal(deltas, ref_deltas)
+
+
+
+# --------------------------------------------------------------------------- packed rows (cu_seqlens)
+def _random_sample(rng, *, frames: bool, padding: bool):
+    """A random mix of text runs, images and videos (Qwen3-VL: timestamped frames), possibly text only; with
+    ``padding`` it may carry left or right padding. Returns ``(types, mask, grids, number of videos)``."""
+    parts, videos = [rng.randint(1, 3)], 0
+    for _ in range(rng.randint(0, 3)):
+        kind = rng.choice(["img", "vid"])
+        T = 1 if kind == "img" else rng.randint(1, 3)
+        grid = (T, 2 * rng.randint(1, 3), 2 * rng.randint(1, 3))
+        videos += kind == "vid"
+        parts += [("frames", grid, rng.randint(1, 2)) if kind == "vid" and frames else (kind, grid), rng.randint(1, 3)]
+    t, g = tokens(*parts)
+    m = [1] * len(t)
+    if padding and rng.random() < 0.5:
+        pad = rng.randint(1, 3)
+        t, m = ([0] * pad + t, [0] * pad + m) if rng.random() < 0.5 else (t + [0] * pad, m + [0] * pad)
+    return t, m, g, videos
+
+
+def _random_packing(seed, *, rows, padding, frames):
+    """``rows`` rows of 2-4 random samples. Rows shorter than the longest end with right padding in their last
+    sample (``padding``) or with a longer last text run. Returns the samples per row
+    ``[(types, mask, grids, videos), ...]``, the packed ``(types (B, S), mask (B, S), grid (R, 3))`` and the
+    per-row ``cu_seqlens``."""
+    import random
+
+    rng = random.Random(seed)
+    packed = [[_random_sample(rng, frames=frames, padding=padding) for _ in range(rng.randint(2, 4))]
+              for _ in range(rows)]  # fmt: skip
+    S = max(sum(len(s[0]) for s in row) for row in packed)
+    for row in packed:
+        t, m, g, v = row[-1]
+        extra = S - sum(len(s[0]) for s in row)
+        row[-1] = (t + [0] * extra, m + [0 if padding else 1] * extra, g, v)
+    types = torch.tensor([sum((s[0] for s in row), []) for row in packed])
+    mask = torch.tensor([sum((s[1] for s in row), []) for row in packed])
+    grid = torch.tensor([x for row in packed for s in row for x in s[2]], dtype=torch.int64).reshape(-1, 3)
+    cu = [torch.tensor([0, *torch.tensor([len(s[0]) for s in row]).cumsum(0).tolist()]) for row in packed]
+    return packed, (types, mask, grid), cu
+
+
+def _flat(cu_rows, S):
+    """Per-row cu_seqlens -> one 1-D cu_seqlens over the flattened batch."""
+    return torch.cat([cu_rows[0][:1]] + [c[1:] + b * S for b, c in enumerate(cu_rows)])
+
+
+@pytest.mark.parametrize("variant", ALL)
+@pytest.mark.parametrize("rows,padding", [(1, False), (1, True), (2, False), (2, True)])
+def test_packed_rows_give_every_sample_its_own_ids(variant, rows, padding):
+    """Every sample of a packed row gets exactly the ids and the delta it gets alone (random text / image / video
+    mixes, 2-4 samples per row, with and without padding, one or two rows), for both forms of cu_seqlens."""
+    spg_table = [0.5, 0.75, 2.0, 1.0, 0.25] * 20  # Qwen2.5-VL seconds per temporal patch, video by video
+    for seed in range(3):
+        packed, (types, mask, grid), cu_rows = _random_packing(
+            10 * seed + 2 * rows + padding, rows=rows, padding=padding, frames=variant == "qwen3vl"
+        )
+        S = types.shape[1]
+
+        def opts(first_video, n_videos):
+            if variant == "pype":
+                return {"depth": 3, "interval": 1}
+            if variant == "qwen25vl":
+                return {"second_per_grid_ts": spg_table[first_video : first_video + n_videos]}
+            return {}
+
+        n_all = sum(s[3] for row in packed for s in row)
+        mask_arg = mask if padding else None
+        ids, deltas = mm.position_ids(variant, types, grid, attention_mask=mask_arg, cu_seqlens=_flat(cu_rows, S),
+                                      **opts(0, n_all))  # fmt: skip
+        ids2, deltas2 = mm.position_ids(variant, types, grid, attention_mask=mask_arg, cu_seqlens=cu_rows,
+                                        **opts(0, n_all))  # fmt: skip
+        assert torch.equal(ids, ids2) and torch.equal(deltas, deltas2)
+        assert ids.shape[1:] == (rows, S)
+        assert deltas.shape == (sum(len(row) for row in packed), 3 if variant == "pype" else 1)
+        k = video = 0
+        for b, row in enumerate(packed):
+            start = 0
+            for t, m, g, v in row:
+                one, d1 = mm.position_ids(
+                    variant, torch.tensor([t]), torch.tensor(g, dtype=torch.int64).reshape(-1, 3),
+                    attention_mask=torch.tensor([m]) if padding else None, **opts(video, v),
+                )  # fmt: skip
+                assert torch.equal(ids[:, b, start : start + len(t)], one[:, 0]), (seed, b, start)
+                assert torch.equal(deltas[k], d1[0]), (seed, k)
+                start, k, video = start + len(t), k + 1, video + v
+
+
+def test_packed_mrope_matches_the_released_loop_per_sample():
+    """Independent reference: the Qwen2-VL / Qwen2.5-VL ids of a packed row equal the released loop run on every
+    sample alone (text positions restart at each boundary; blocks go to the samples they appear in)."""
+    samples = [
+        tokens(3, ("vid", (4, 6, 8)), 2, ("img", (1, 4, 4)), 3),
+        tokens(2, ("img", (1, 2, 6)), 1, ("vid", (3, 4, 4)), 4),
+        tokens(5),
+        tokens(1, ("vid", (2, 12, 2)), 2),
+    ]
+    spg = [[2.0], [1.0], [], [0.5]]  # seconds per temporal patch of each sample's videos
+    types = torch.tensor([sum((t for t, _ in samples), [])])
+    grid = torch.tensor([g for _, gs in samples for g in gs])
+    lengths = [len(t) for t, _ in samples]
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()])
+    for variant, opts in [("mrope", {}), ("qwen25vl", {"second_per_grid_ts": sum(spg, [])})]:
+        ids, deltas = mm.position_ids(variant, types, grid, cu_seqlens=cu, **opts)
+        for k, (t, g) in enumerate(samples):
+            one = torch.tensor([t])
+            ref = {"second_per_grid_ts": spg[k], "tokens_per_second": 2} if opts else {}
+            ref_ids, ref_deltas = released_mrope_loop(
+                one, torch.ones_like(one), torch.tensor(g, dtype=torch.int64).reshape(-1, 3), **ref
+            )
+            assert torch.equal(ids[:, 0, cu[k] : cu[k + 1]], ref_ids[:, 0]), (variant, k)
+            assert torch.equal(deltas[k], ref_deltas[0]), (variant, k)
+    # text positions restart at every sample: the first token of each sample is at 0 on every axis
+    assert (ids[:, 0, cu[:-1]] == 0).all()
+
+
+def test_packed_samples_and_text_position_ids_hand_example():
+    cu = torch.tensor([0, 3, 3, 7, 10])  # samples of 3, 0 (empty), 4 and 3 tokens in one row of 10
+    s = mm.packed_samples(cu, 1, 10)
+    assert s.index.tolist() == [[0, 0, 0, 2, 2, 2, 2, 3, 3, 3]] and s.count == 4
+    x = torch.arange(1, 11).view(1, 10)
+    excl, totals = s.cumsum(x)
+    assert excl.tolist() == [[0, 1, 3, 0, 4, 9, 15, 0, 8, 17]] and totals.tolist() == [6, 0, 22, 27]
+    mask = torch.tensor([[1, 1, 0, 0, 1, 1, 1, 1, 1, 0]])  # right padding in sample 0, left padding in sample 2
+    assert mm.text_position_ids(mask, mask).tolist() == [[0, 1, 0, 0, 2, 3, 4, 5, 6, 0]]
+    assert mm.text_position_ids((1, 10), mask, cu_seqlens=cu).tolist() == [[0, 1, 0, 0, 0, 1, 2, 0, 1, 0]]
+    assert mm.text_position_ids((2, 5), cu_seqlens=[[0, 2, 5], [0, 5]]).tolist() == [[0, 1, 0, 1, 2], [0, 1, 2, 3, 4]]
+
+
+def test_pype_mask_of_a_packed_row_is_block_diagonal():
+    a, b = tokens(2, ("img", (1, 8, 8)), 1), tokens(1, ("img", (1, 4, 4)), 2)
+    types = torch.tensor([a[0] + b[0]])
+    grid = torch.tensor(a[1] + b[1])
+    cu = torch.tensor([0, len(a[0]), types.shape[1]])
+    ids, _ = mm.position_ids("pype", types, grid, cu_seqlens=cu, depth=2, interval=1)
+    keep = mm.pype_attention_mask(ids, 1, cu_seqlens=cu)[0, 0]
+    n = len(a[0])
+    for (t, g), sl in ((a, slice(0, n)), (b, slice(n, None))):
+        alone, _ = mm.position_ids("pype", torch.tensor([t]), torch.tensor(g), depth=2, interval=1)
+        assert torch.equal(keep[sl, sl], mm.pype_attention_mask(alone, 1)[0, 0])
+    assert not keep[n:, :n].any() and not keep[:n, n:].any()
+
+
+def test_packed_bad_inputs_raise_value_error():
+    a, b = tokens(2, ("img", (1, 4, 6)), 2), tokens(1, ("vid", (2, 4, 4)), 3)
+    types = torch.tensor([a[0] + b[0]])
+    grid = torch.tensor(a[1] + b[1])
+    S, n = types.shape[1], len(a[0])
+    ok = torch.tensor([0, n, S])
+    mm.position_ids("mrope", types, grid, cu_seqlens=ok)
+    with pytest.raises(ValueError, match="must start at 0"):
+        mm.position_ids("mrope", types, grid, cu_seqlens=torch.tensor([1, n, S]))
+    with pytest.raises(ValueError, match="must not decrease"):
+        mm.position_ids("mrope", types, grid, cu_seqlens=[0, n, 3, S])
+    with pytest.raises(ValueError, match=f"must end at the row length.*S = {S}"):
+        mm.position_ids("mrope", types, grid, cu_seqlens=torch.tensor([0, n, S - 1]))
+    with pytest.raises(ValueError, match="must end at the row length"):
+        mm.position_ids("mrope", types, grid, cu_seqlens=torch.tensor([0, n, S + 4]))
+    with pytest.raises(ValueError, match="straddle a sample boundary"):
+        mm.position_ids("mrope", types, grid, cu_seqlens=torch.tensor([0, 4, S]))  # inside the image
+    with pytest.raises(ValueError, match="straddle a sample boundary"):
+        mm.position_ids("qwen3vl", *batch([tokens(1, ("frames", (2, 4, 4), 1), 1)])[::2],
+                        cu_seqlens=torch.tensor([0, 8, 16]))  # between two frames of one video  # fmt: skip
+    with pytest.raises(ValueError, match="grid_thw describes"):
+        mm.position_ids("mrope", types, grid[:1], cu_seqlens=ok)  # the video's grid is missing
+    with pytest.raises(ValueError, match="straddle a sample boundary"):  # same count, wrong order: the first
+        mm.position_ids("mrope", types, grid.flip(0), cu_seqlens=ok)  # row (8 tokens) takes the image and 2 more
+    two = torch.cat([types, types])
+    with pytest.raises(ValueError, match="every row boundary"):
+        mm.position_ids("mrope", two, torch.cat([grid, grid]), cu_seqlens=torch.tensor([0, n, S + n, 2 * S]))
+    with pytest.raises(ValueError, match="one entry per row"):
+        mm.position_ids("mrope", two, torch.cat([grid, grid]), cu_seqlens=[ok])
+    with pytest.raises(ValueError, match="integer token offsets"):
+        mm.position_ids("mrope", types, grid, cu_seqlens=ok.float())
+    with pytest.raises(ValueError, match="1-D cumulative sample lengths"):
+        mm.position_ids("mrope", types, grid, cu_seqlens=torch.tensor([0]))
+
+
+@pytest.mark.parametrize("variant", ALL)
+def test_packed_rows_make_no_host_reads_without_validation(variant):
+    packed, (types, mask, grid), cu_rows = _random_packing(7, rows=2, padding=True, frames=variant == "qwen3vl")
+    cu = _flat(cu_rows, types.shape[1])
+    opts = {"depth": 3} if variant == "pype" else {}
+    meta = [x.to("meta") for x in (types, mask, grid, cu)]
+    ids, deltas = mm.position_ids(variant, meta[0], meta[2], attention_mask=meta[1], cu_seqlens=meta[3],
+                                  validate=False, **opts)  # fmt: skip
+    assert ids.device.type == "meta" and ids.shape[1:] == types.shape
+    assert deltas.shape[0] == cu.shape[0] - 1

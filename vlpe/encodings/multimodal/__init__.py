@@ -9,16 +9,21 @@ A named variant is one of each; any design pairs with any allocation through :cl
 ...                               spatial_merge_size=2)                     # doctest: +SKIP
 >>> cos, sin = mm.rotary("mrope", ids, head_dim=128, theta=1e6)           # doctest: +SKIP
 >>> ids_new = mm.decode_position_ids("mrope", deltas, cache_position)     # doctest: +SKIP
+>>> ids, deltas = mm.position_ids("mrope", types, grid_thw, cu_seqlens=cu)  # packed row  # doctest: +SKIP
 
 API (Hugging Face 5.x conventions):
 
 * ``position_ids(variant, mm_token_type_ids, grid_thw, attention_mask=None, spatial_merge_size=2,
-  *, pad_position=1, dtype=None, validate=True, **options) -> (ids (A, B, S), deltas (B, 1))``.
+  *, cu_seqlens=None, pad_position=1, dtype=None, validate=True, **options)
+  -> (ids (A, B, S), deltas (B, 1))``.
   ``mm_token_type_ids`` (B, S): 0 text, 1 image, 2 video; ``grid_thw`` (blocks, 3) in patches before merging,
   in order of appearance over the batch (:func:`merge_grids` interleaves HF's ``image_grid_thw`` and
   ``video_grid_thw``). Vectorised (cumsum / searchsorted / gather), no host syncs but the one boolean of
   ``validate``. Integer designs return int64, fractional ones float32. Padding slots get ``pad_position``.
   ``deltas`` = next free position - number of real tokens (PyPE: ``(B, depth)``, one per layer).
+  Packed rows: ``cu_seqlens`` (cumulative sample lengths from 0, as flash-attention's varlen kernels take them:
+  one 1-D tensor over the flattened ``B * S`` tokens, or one per row) gives every sample exactly its ids alone,
+  and ``deltas (n, 1)``, one per sample in order; :func:`text_position_ids` is the matching restarting 1D row.
 * ``rotary(variant, ids, *, head_dim, theta=None, num_kv_heads=None, allocation=None, section=None,
   rotary_dim=None, inv_freq=None, attention_scaling=1.0, layer=None, dtype=float32) -> (cos, sin)``:
   ``(B, S, head_dim)`` half-layout tables for transformers' ``apply_rotary_pos_emb``;
@@ -27,7 +32,8 @@ API (Hugging Face 5.x conventions):
 * ``decode_position_ids(variant, rope_deltas, cache_position, *, attention_mask=None) -> (A, B, n)``: ids
   of generated text tokens; prompt ids + these equal the ids of the whole sequence computed at once.
 * ``Variant(design, allocation, design_options={}, section=None, theta=...)``; ``VARIANTS``, ``DESIGNS``,
-  ``ALLOCATIONS``; ``allocation_map(...)`` (pair -> axis census); ``pype_attention_mask(ids, layer)``.
+  ``ALLOCATIONS``; ``allocation_map(...)`` (pair -> axis census); ``pype_attention_mask(ids, layer,
+  cu_seqlens=None)``; ``packed_samples(cu_seqlens, B, S)`` (which sample every token of a packed batch is in).
 
 Variants: ``rope1d`` (1d + none), ``mrope`` (grid + chunked), ``qwen25vl`` (absolute_time + chunked),
 ``mrope_i`` (grid + interleaved; ``spatial_reset=True`` option), ``qwen3vl`` (per_frame + interleaved),
@@ -43,7 +49,7 @@ maximum over all axes + 1 (the released semantics, not transformers 5.x's ``max(
 
 from .allocations import ALLOCATIONS, allocation_map, default_section, frequency_matrix
 from .designs import DESIGNS, HOPE_SCALES, V2PE_STRIDES, Design
-from .layout import TokenLayout, token_layout
+from .layout import Samples, TokenLayout, packed_samples, token_layout
 from .variants import (
     VARIANTS,
     Variant,
@@ -54,6 +60,7 @@ from .variants import (
     position_ids,
     pype_attention_mask,
     rotary,
+    text_position_ids,
 )
 
 __all__ = [
@@ -63,6 +70,7 @@ __all__ = [
     "HOPE_SCALES",
     "V2PE_STRIDES",
     "Design",
+    "Samples",
     "TokenLayout",
     "Variant",
     "allocation_map",
@@ -72,8 +80,10 @@ __all__ = [
     "frequency_matrix",
     "get_variant",
     "merge_grids",
+    "packed_samples",
     "position_ids",
     "pype_attention_mask",
     "rotary",
+    "text_position_ids",
     "token_layout",
 ]

@@ -282,7 +282,9 @@ def assemble(
     """Running positions by one exclusive cumsum, then vision coordinates; returns ``(ids, deltas)``.
 
     ``ids`` is ``(A, B, S)``; ``deltas`` is ``(B, 1)`` (``(B, A)`` when the advance differs per axis, PyPE),
-    the next free position minus the number of real tokens (Hugging Face 5.x convention).
+    the next free position minus the number of real tokens (Hugging Face 5.x convention). For packed rows
+    (``L.samples``) the running position restarts at every sample (segment sums, :meth:`Samples.cumsum`) and
+    ``deltas`` is ``(n, 1)`` (``(n, A)``), one per sample in order over the flattened batch.
     """
     if dtype is None:
         dtype = torch.float32 if out.floating else torch.int64
@@ -305,7 +307,13 @@ def assemble(
         slot = torch.zeros(A1, N + 1, dtype=work, device=L.device)
         slot.scatter_(1, L.row_last.clamp(max=N).expand(A1, -1), adv)
         inc = slot[:, :N].view(A1, B, S) + text
-    running = inc.cumsum(-1) - inc  # exclusive: position when each token (or its unit) starts
+    if L.samples is None:
+        running = inc.cumsum(-1) - inc  # exclusive: position when each token (or its unit) starts
+        next_pos = running[..., -1] + inc[..., -1]  # (A', B)
+        real = L.valid_len.to(work)  # (B,)
+    else:  # the same, restarting at every sample: (A', B, S) and the (A', n) total advance of each sample
+        running, next_pos = L.samples.cumsum(inc)
+        _, real = L.samples.cumsum(L.valid.to(work))  # (n,) real tokens per sample
     A = len(out.anchored)
     ids = torch.empty(A, B, S, dtype=work, device=L.device)
     for a in range(A):  # a handful of axes (PyPE: one per layer), never tokens or blocks
@@ -314,6 +322,5 @@ def assemble(
         torch.where(L.vision, off + run if out.anchored[a] else off, run, out=ids[a])
     if L.padded:
         ids.masked_fill_(~L.valid, pad_position)
-    next_pos = running[..., -1] + inc[..., -1]  # (A', B)
-    deltas = (next_pos - L.valid_len.to(work)).transpose(0, 1)  # (B, A')
+    deltas = (next_pos - real).transpose(0, 1)  # (B or n, A')
     return ids.to(dtype), deltas.to(dtype)

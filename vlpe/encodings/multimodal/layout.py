@@ -16,6 +16,11 @@ A position design then only needs the *start* of each unit (the running position
 exclusive ``cumsum`` of per-token increments done by :func:`vlpe.encodings.multimodal.designs.assemble`)
 and the token's coordinates inside the unit. A *unit* is a grid row, or a single frame for per-frame
 designs (Qwen3-VL, whose frames are separated by timestamp text).
+
+Packed rows (several samples in one row, ``cu_seqlens`` as flash-attention's varlen kernels take them) are
+described by :class:`Samples`: every token's sample (one ``searchsorted`` of the token index into the
+boundaries) and segment sums (a row ``cumsum`` minus its value at the sample's first token), so running
+positions restart at every sample boundary without a loop over samples.
 """
 
 from __future__ import annotations
@@ -26,7 +31,7 @@ from typing import Callable
 import torch
 from torch import Tensor
 
-__all__ = ["TokenLayout", "token_layout", "Check"]
+__all__ = ["TokenLayout", "token_layout", "Check", "Samples", "packed_samples"]
 
 
 @dataclass
@@ -52,8 +57,9 @@ class TokenLayout:
         row_type: ``(R,)`` token type (1 image / 2 video) of each grid row.
         row_last: ``(R,)`` flat index (into ``B * S``) of each row's last token (``B * S`` if absent).
         frame_last: per-frame units only: True on the last token of every frame.
-        valid_len: ``(B,)`` number of real tokens per sample.
+        valid_len: ``(B,)`` number of real tokens per row.
         padded: an attention mask was given.
+        samples: the packed samples of every row (``cu_seqlens`` given), or None: every row is one sample.
         checks: deferred validity checks (evaluated with one host read by :meth:`validate`).
     """
 
@@ -71,6 +77,7 @@ class TokenLayout:
     frame_last: Tensor | None
     valid_len: Tensor
     padded: bool
+    samples: Samples | None = None
     checks: list[Check] = field(default_factory=list)
     _per_token: dict[str, Tensor] = field(default_factory=dict)
 
@@ -127,6 +134,126 @@ class TokenLayout:
                 raise ValueError(c.message())
 
 
+@dataclass
+class Samples:
+    """The samples packed into the rows of a ``(B, S)`` batch, from ``cu_seqlens`` (:func:`packed_samples`).
+
+    Attributes:
+        cu: ``(n + 1,)`` int64 sample boundaries over the flattened batch (flat token indices into ``B * S``;
+            sample ``k`` holds tokens ``cu[k] <= idx < cu[k + 1]``), clamped into ``[0, B * S]``.
+        index: ``(B, S)`` the sample of every token (in ``0 .. n - 1``).
+        start: ``(B * S,)`` flat index of the first token of every token's sample.
+        checks: deferred validity checks of ``cu_seqlens`` (one host read in :meth:`TokenLayout.validate`).
+    """
+
+    cu: Tensor
+    index: Tensor
+    start: Tensor
+    checks: list[Check] = field(default_factory=list)
+
+    @property
+    def count(self) -> int:
+        """Number of samples ``n`` (empty ones included), from the shape of ``cu``: no host read."""
+        return self.cu.shape[0] - 1
+
+    def cumsum(self, x: Tensor) -> tuple[Tensor, Tensor]:
+        """Segment sums of per-token values ``x (..., B, S)``: ``(exclusive, totals)``.
+
+        ``exclusive (..., B, S)``: the sum of ``x`` over the earlier tokens of the same sample;
+        ``totals (..., n)``: the sum over each sample (0 for an empty one). One row ``cumsum`` (samples never
+        span rows) minus its value at every sample's first token.
+        """
+        lead, (B, S) = x.shape[:-2], x.shape[-2:]
+        N = B * S
+        incl = x.cumsum(-1).reshape(*lead, N)  # (..., N) inclusive, per row
+        excl = incl - x.reshape(*lead, N)
+        base = excl.index_select(-1, self.start)  # (..., N) the exclusive sum at each token's sample start
+        first, last = self.cu[:-1].clamp(max=N - 1), (self.cu[1:] - 1).clamp(min=0)  # (n,) each
+        totals = incl.index_select(-1, last) - excl.index_select(-1, first)
+        totals = torch.where(self.cu[1:] > self.cu[:-1], totals, torch.zeros_like(totals))
+        return (excl - base).reshape(x.shape), totals
+
+
+def _as_cu(cu_seqlens, B: int, S: int, device: torch.device) -> tuple[Tensor, str]:
+    """Flat int64 boundaries ``(n + 1,)`` over ``B * S`` and a description of the accepted form (for messages)."""
+
+    def one(c, what: str) -> Tensor:
+        t = torch.as_tensor(c, device=device)
+        if t.is_floating_point() or t.is_complex() or t.dtype == torch.bool:
+            raise ValueError(f"{what} must hold integer token offsets, got dtype {t.dtype}")
+        if t.dim() != 1 or t.shape[0] < 2:
+            raise ValueError(
+                f"{what} must be 1-D cumulative sample lengths starting at 0, e.g. [0, 7, 12], with at least "
+                f"2 entries; got shape {tuple(t.shape)}"
+            )
+        return t.to(torch.int64)
+
+    rows = None
+    if isinstance(cu_seqlens, (list, tuple)) and cu_seqlens and not isinstance(cu_seqlens[0], (int, float)):
+        if not (isinstance(cu_seqlens[0], Tensor) and cu_seqlens[0].dim() == 0):
+            rows = list(cu_seqlens)
+    elif isinstance(cu_seqlens, Tensor) and cu_seqlens.dim() == 2:
+        rows = list(cu_seqlens.unbind(0))
+    if rows is None:  # one 1-D tensor over the flattened batch
+        if B == 1:
+            return one(cu_seqlens, "cu_seqlens"), f"from 0 to the row length S = {S}"
+        return one(cu_seqlens, "cu_seqlens"), f"1-D over the flattened batch, from 0 to B * S = {B * S}"
+    if len(rows) != B:
+        raise ValueError(f"cu_seqlens given per row must have one entry per row (B = {B}), got {len(rows)}")
+    per_row = [one(r, f"cu_seqlens[{b}]") for b, r in enumerate(rows)]
+    offsets = [r[1:] + b * S for b, r in enumerate(per_row)]
+    return torch.cat([per_row[0][:1], *offsets]), f"per row, each from 0 to S = {S}"
+
+
+def packed_samples(cu_seqlens, batch: int, length: int, *, device: torch.device | None = None) -> Samples:
+    """The samples packed into the rows of a ``(batch, length)`` batch.
+
+    ``cu_seqlens`` takes two forms (the cumulative sample lengths that flash-attention's varlen kernels take):
+
+    * one 1-D tensor (or list of ints) ``(n + 1,)`` over the *flattened* batch: ``0 = cu[0] <= cu[1] <= ... <=
+      cu[n] = batch * length``, and every row boundary ``b * length`` must be one of the entries (a sample never
+      spans two rows). For ``batch = 1`` this is the row's own ``cu_seqlens``;
+    * one 1-D sequence per row (a list of ``batch`` tensors / lists, or a ``(batch, k + 1)`` tensor), each from
+      0 to ``length``; samples are numbered row by row.
+
+    Equal consecutive entries make empty samples. The checks (start at 0, non-decreasing, end at the row
+    length, row boundaries) are deferred to :attr:`Samples.checks`; values are clamped, so nothing indexes out
+    of range before they run.
+    """
+    device = torch.device("cpu") if device is None else device
+    B, S = int(batch), int(length)
+    N = B * S
+    cu, form = _as_cu(cu_seqlens, B, S, device)
+    raw = cu
+    cu = cu.clamp(0, N)
+    token = torch.arange(N, device=device)
+    index = (torch.searchsorted(cu, token, right=True) - 1).clamp_(0, cu.shape[0] - 2)  # (N,) sample of each token
+    start = cu.index_select(0, index)  # (N,)
+    checks = [
+        Check(raw[0] != 0, lambda: f"cu_seqlens must start at 0 (the first sample's first token); got {raw.tolist()}"),
+        Check(
+            (raw[1:] < raw[:-1]).any(),
+            lambda: f"cu_seqlens must not decrease (cumulative sample lengths, {form}); got {raw.tolist()}",
+        ),
+        Check(
+            raw[-1] != N,
+            lambda: f"cu_seqlens must end at the row length ({form}; packed samples must cover every token, "
+            f"padding included in a sample); got {raw.tolist()}",
+        ),
+    ]
+    if B > 1:
+        row_bounds = torch.arange(1, B, device=device) * S  # (B-1,)
+        pos = torch.searchsorted(raw, row_bounds).clamp(max=raw.shape[0] - 1)
+        checks.append(
+            Check(
+                (raw.index_select(0, pos) != row_bounds).any(),
+                lambda: f"cu_seqlens over the flattened batch must contain every row boundary "
+                f"{row_bounds.tolist()} (a sample may not span two rows of length {S}); got {raw.tolist()}",
+            )
+        )
+    return Samples(cu=cu, index=index.view(B, S), start=start, checks=checks)
+
+
 def _as_grid(grid_thw, device: torch.device) -> Tensor:
     if grid_thw is None:
         return torch.zeros(0, 3, dtype=torch.int64, device=device)
@@ -150,6 +277,7 @@ def token_layout(
     *,
     spatial_merge_size: int = 2,
     split_frames: bool = False,
+    cu_seqlens=None,
 ) -> TokenLayout:
     """Describe every token of a batch by its vision block, frame and grid cell (see the module docstring).
 
@@ -160,9 +288,12 @@ def token_layout(
         attention_mask: ``(B, S)`` 1 for real tokens, 0 for padding; None when every token is real.
         spatial_merge_size: patches merged per axis into one LLM token (2 in Qwen2/2.5/3-VL).
         split_frames: units are single frames (Qwen3-VL), which may be separated by text (timestamps).
+        cu_seqlens: packed rows: the sample boundaries (see :func:`packed_samples` for the accepted forms);
+            None: every row is one sample.
 
-    The structural checks (grid count, divisibility, blocks aligned with the runs of vision tokens) are
-    recorded in ``checks`` and evaluated by :meth:`TokenLayout.validate`.
+    The structural checks (grid count, divisibility, blocks aligned with the runs of vision tokens and inside
+    one sample, the form of ``cu_seqlens``) are recorded in ``checks`` and evaluated by
+    :meth:`TokenLayout.validate`.
     """
     types = torch.as_tensor(mm_token_type_ids)
     if types.dim() != 2:
@@ -189,6 +320,7 @@ def token_layout(
         vision = (types != 0) & valid
         valid_len = valid.sum(-1)
     grid = _as_grid(grid_thw, device)
+    samples = None if cu_seqlens is None else packed_samples(cu_seqlens, B, S, device=device)
     R = grid.shape[0]
     lo_hi = torch.stack(torch.aminmax(types)) if N else torch.zeros(2, dtype=types.dtype, device=device)
     checks: list[Check] = [
@@ -198,6 +330,8 @@ def token_layout(
             f"{sorted(set(types.unique().tolist()) - {0, 1, 2})}",
         )
     ]
+    if samples is not None:
+        checks += samples.checks
     zeros = torch.zeros(B, S, dtype=torch.int64, device=device)
     if R == 0:
         n_vis = vision.sum()
@@ -213,7 +347,7 @@ def token_layout(
             valid=valid, vision=vision, row=zeros, tau=zeros, i=zeros, j=zeros, index=zeros, grid=grid,
             unit_grid=grid, row_type=empty, row_last=empty,
             frame_last=torch.zeros(B, S, dtype=torch.bool, device=device) if split_frames else None,
-            valid_len=valid_len, padded=attention_mask is not None, checks=checks,
+            valid_len=valid_len, padded=attention_mask is not None, samples=samples, checks=checks,
         )
 
     gt, gh, gw = grid.unbind(-1)  # (R,) each, in patches
@@ -258,22 +392,38 @@ def token_layout(
     vt = torch.where(flat_vis, types.reshape(-1).to(torch.int64), 0)  # (N,) type of vision tokens, 0 elsewhere
     fi, la = row_first.clamp(max=N - 1), row_last.clamp(max=N - 1)
     row_type = vt[fi]  # (R,)
+    token = torch.arange(N, device=device)
+    if samples is None:  # every row is one sample
+        sample_of, first = token // S, token % S == 0  # (N,) each
+    else:
+        sample_of, first = samples.index.reshape(-1), samples.start == token
+    last = torch.cat([first[1:], first.new_ones(1)])  # (N,) the next token starts a sample (or there is none)
+    straddles = sample_of[fi] != sample_of[la]  # (R,)
+
+    def straddling() -> str:
+        bad = [(r, int(sample_of[fi[r]]), int(sample_of[la[r]])) for r in straddles.nonzero().flatten().tolist()]
+        return (
+            "vision blocks straddle a sample boundary (a block must lie inside one sample: check cu_seqlens and "
+            f"that grid_thw lists the blocks in order of appearance); (grid_thw row, first sample, last sample): {bad}"
+        )
+
+    checks.append(Check(straddles.any(), straddling))
     if split_frames:
         # frames of a row may be separated by text: check per token that runs start at frame starts
         prev = torch.cat([vt.new_zeros(1), vt[:-1]])
-        prev = prev.masked_fill(torch.arange(N, device=device) % S == 0, 0)  # no run continues across samples
+        prev = prev.masked_fill(first, 0)  # no run continues across samples
         run_start = flat_vis & (prev != vt)
         misaligned = (flat_vis & ((run_start & (rem != 0)) | ((off == 0) & ~run_start))).any()
-        misaligned = misaligned | (fi // S != la // S).any() | (vt[la] != row_type).any()
+        misaligned = misaligned | straddles.any() | (vt[la] != row_type).any()
         what = "every run of vision tokens must start at a frame of its grid row, and a row may not span samples"
     else:
         # per row: one contiguous run of a single token type, starting and ending a run, inside one sample
         typesum = vt.cumsum(0)
         contiguous = row_last - row_first + 1 == n_row
         uniform = typesum[la] - typesum[fi] + row_type == row_type * n_row
-        at_start = (fi % S == 0) | (vt[(fi - 1).clamp(min=0)] != row_type)
-        at_end = (la % S == S - 1) | (vt[(la + 1).clamp(max=N - 1)] != row_type)
-        misaligned = ~(contiguous & uniform & at_start & at_end & (fi // S == la // S)).all()
+        at_start = first[fi] | (vt[(fi - 1).clamp(min=0)] != row_type)
+        at_end = last[la] | (vt[(la + 1).clamp(max=N - 1)] != row_type)
+        misaligned = ~(contiguous & uniform & at_start & at_end & ~straddles).all()
         what = "every vision block must be one run of consecutive image/video tokens matching its grid row"
     checks.append(
         Check(
@@ -290,11 +440,11 @@ def token_layout(
             valid=valid, vision=vision, row=row.reshape(shape), tau=zeros, i=i.reshape(shape), j=j.reshape(shape),
             index=rem.reshape(shape), grid=torch.stack([Tm, Hm, Wm], -1), unit_grid=unit_grid, row_type=row_type,
             row_last=row_last, frame_last=frame_last, valid_len=valid_len, padded=attention_mask is not None,
-            checks=checks,
+            samples=samples, checks=checks,
         )
     g = torch.stack([Tm, Hm, Wm], -1)
     return TokenLayout(
         valid=valid, vision=vision, row=row.reshape(shape), tau=tau.reshape(shape), i=i.reshape(shape),
         j=j.reshape(shape), index=off.reshape(shape), grid=g, unit_grid=g, row_type=row_type, row_last=row_last,
-        frame_last=None, valid_len=valid_len, padded=attention_mask is not None, checks=checks,
+        frame_last=None, valid_len=valid_len, padded=attention_mask is not None, samples=samples, checks=checks,
     )
