@@ -8,7 +8,7 @@ import torch
 
 import vlpe
 from vlpe.encodings import get
-from vlpe.testing import check, check_errors
+from vlpe.testing import check, check_errors, check_scaling, takes_scaling
 
 
 def _build(name):
@@ -31,6 +31,31 @@ def test_claimed_property(name, claim):
 @pytest.mark.parametrize("name", vlpe.encodings.available())
 def test_error_behaviour(name):
     check_errors(_build(name))
+
+
+SCALED = [name for name in vlpe.encodings.available() if takes_scaling(_build(name))]
+
+
+def test_every_rotary_encoding_takes_scaling():
+    for name in ("rope", "rope1d", "rope_mixed", "string", "mrope", "mrope_i", "mhrope", "pype", "vrope", "v2pe"):
+        assert name in SCALED, name
+    assert "scaling" in vlpe.encodings.options_of(get("comrope"))
+
+
+@pytest.mark.parametrize("name", SCALED)
+def test_scaling_properties(name):
+    torch.manual_seed(0)
+    check_scaling(_build(name))
+
+
+@pytest.mark.parametrize("opts", [{"coords": "raw"}, {"coords": "raw", "block": 4, "variant": "ld"}])
+def test_scaling_properties_comrope_raw(opts):
+    torch.manual_seed(0)
+    check_scaling(vlpe.encodings.build("comrope", dim=64, num_heads=4, depth=2, **opts))
+
+
+def test_scaling_properties_head_axes():
+    check_scaling(vlpe.encodings.build("rope", dim=64, num_heads=4, depth=2, head_axes=(0, 1, 1, None)))
 
 
 @pytest.mark.parametrize("name", vlpe.encodings.available())

@@ -1,7 +1,8 @@
 """Property kit: behavioural checks any encoding can be run through, a user's own included.
 
 Each encoding declares the properties it claims (``Encoding.claims``); :func:`check` runs one claim,
-:func:`property_report` runs all of them plus the error-behaviour checks every encoding must pass. The
+:func:`property_report` runs all of them plus the error-behaviour checks every encoding must pass (and
+:func:`check_scaling` for every encoding that takes training-free RoPE scaling). The
 test suite runs every claim of every registered encoding, so a new encoding is tested the moment it is
 registered::
 
@@ -30,6 +31,8 @@ __all__ = [
     "CHECKS",
     "PropertyFailure",
     "check",
+    "check_scaling",
+    "takes_scaling",
     "property_report",
     "probe",
     "effects",
@@ -233,6 +236,61 @@ def check_errors(enc: Encoding) -> None:
     _expect_value_error(lambda: enc.prepare(wrong_axes), f"positions with {enc.num_axes + 1} axes")
 
 
+def takes_scaling(enc: Encoding) -> bool:
+    """True when ``enc`` takes training-free RoPE scaling in its current configuration (``set_scaling``)."""
+    return callable(getattr(enc, "set_scaling", None)) and bool(getattr(enc, "accepts_scaling", True))
+
+
+def check_scaling(enc: Encoding, *, atol: float = 1e-4) -> None:
+    """Training-free scaling (``set_scaling``), checked for any encoding that takes it:
+
+    ``linear`` with factors ``s`` (scalar, and one per axis) at coordinates ``s * p`` equals no scaling at ``p``;
+    ``yarn`` and ``ntk`` with factor 1 equal no scaling; a factor 2 changes the logits; ``set_scaling(None)``
+    restores them; parameters and ``state_dict`` keys never change; bad configs raise ValueError.
+    """
+    enc = copy.deepcopy(enc).eval()
+    enc.set_scaling(None)
+    A = enc.num_axes
+    pos = grid_positions(enc)
+    q, k = random_qk(enc, pos.num_tokens)
+    base = attention_logits(enc, q, k, pos)
+    state = {n: t.detach().clone() for n, t in enc.state_dict().items()}
+    per_axis = [1.5 + 0.5 * a for a in range(A)]
+    for factor in (2.0, per_axis):
+        enc.set_scaling({"type": "linear", "factor": factor})
+        s = torch.as_tensor(factor, dtype=torch.float64).expand(A)
+        far = pos.with_coords((pos.coords.double() * s).float(), keep_grid=False)
+        _close(attention_logits(enc, q, k, far), base, atol, f"scaling: linear {factor} at s * p differs from none at p")
+    orig = [3.0] * A
+    for cfg in ({"type": "yarn", "factor": 1.0, "original_size": orig}, {"type": "ntk", "factor": 1.0}):
+        enc.set_scaling(cfg)
+        _close(attention_logits(enc, q, k, pos), base, atol, f"scaling: {cfg['type']} with factor 1 differs from none")
+    for cfg in ({"type": "linear", "factor": 2.0}, {"type": "yarn", "factor": 2.0, "original_size": orig},
+                {"type": "ntk", "factor": 2.0}):
+        enc.set_scaling(cfg)
+        err = (attention_logits(enc, q, k, pos) - base).abs().max().item()
+        if not err > 1e-3:
+            raise PropertyFailure(f"scaling: {cfg['type']} with factor 2 leaves the logits unchanged ({err:.2g})")
+    enc.set_scaling(None)
+    _close(attention_logits(enc, q, k, pos), base, 0.0, "scaling: set_scaling(None) does not restore the logits")
+    after = enc.state_dict()
+    if sorted(after) != sorted(state) or any(not torch.equal(after[n], state[n]) for n in state):
+        raise PropertyFailure("scaling: set_scaling changed the parameters or state_dict keys")
+    bad = (
+        ({"type": "cubic", "factor": 2.0}, "an unknown scaling type"),
+        ({"type": "linear", "factor": 0.0}, "a zero factor"),
+        ({"type": "linear", "factor": -2.0}, "a negative factor"),
+        ({"type": "linear", "factor": {A: 2.0}}, f"a factor for axis {A} of {A}"),
+        ({"type": "linear", "factor": [2.0] * (A + 1)}, f"{A + 1} factors for {A} axes"),
+        ({"type": "linear", "factor": 2.0, "beta": 3}, "an unknown key"),
+        ({"type": "yarn", "factor": 2.0}, "YaRN without original_size"),
+    )
+    for cfg, what in bad:
+        _expect_value_error(lambda: enc.set_scaling(cfg), f"scaling with {what}")
+    if enc.scaling is not None:
+        raise PropertyFailure("scaling: a rejected config was kept")
+
+
 def _expect_value_error(fn: Callable[[], object], what: str) -> None:
     try:
         fn()
@@ -280,4 +338,10 @@ def property_report(enc: Encoding, *, all_properties: bool = False) -> dict[str,
         report["errors"] = "ok"
     except PropertyFailure as e:
         report["errors"] = f"FAIL: {e}"
+    if takes_scaling(enc):
+        try:
+            check_scaling(enc)
+            report["scaling"] = "ok"
+        except PropertyFailure as e:
+            report["scaling"] = f"FAIL: {e}"
     return report
