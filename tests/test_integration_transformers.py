@@ -587,13 +587,14 @@ def test_errors():
     with pytest.raises(ValueError, match="section"):
         vhf.apply(model, "mrope", section=[1, 1, 1])  # does not sum to the 8 rotary pairs
     assert vhf.patch_of(model) is None  # nothing was left half-applied
-    dynamic = Qwen2VLConfig(
-        text_config=dict(TEXT, rope_parameters={"rope_type": "dynamic", "factor": 2.0, "mrope_section": [2, 3, 3],
-                                                "rope_theta": 1e4}),
+    longrope = Qwen2VLConfig(  # short / long factor sets switched by the sequence length: not supported
+        text_config=dict(TEXT, rope_parameters={"rope_type": "longrope", "short_factor": [1.0] * 8, "long_factor": [2.0] * 8,
+                                                "original_max_position_embeddings": 64, "factor": 2.0,
+                                                "mrope_section": [2, 3, 3], "rope_theta": 1e4}),
         vision_config=dict(VISION, depth=1, embed_dim=32, hidden_size=128, num_heads=2), **SPECIAL,
     )
-    with pytest.raises(ValueError, match="dynamic"):
-        vhf.apply(Qwen2VLForConditionalGeneration(dynamic), "mrope")
+    with pytest.raises(ValueError, match="longrope"):
+        vhf.apply(Qwen2VLForConditionalGeneration(longrope), "mrope")
     ids, types, kw = make_prompt("qwen2_vl", "image")
     with patched(model, "mrope"):
         with pytest.raises(ValueError, match="mm_token_type_ids"):

@@ -18,7 +18,12 @@ What :func:`apply` changes, all of it undone by :func:`remove`:
 
 - ``language_model.rotary_emb`` becomes a :class:`MultimodalRotary` (``forward(x, position_ids) -> (cos, sin)``,
   Hugging Face half layout) built on :func:`vlpe.encodings.multimodal.rotary`, with the model's own inverse
-  frequencies (so static rope scaling such as YaRN carries over) and ``rope_theta``. When the variant uses the
+  frequencies (so static rope scaling such as YaRN carries over) and ``rope_theta``. The config's
+  ``rope_parameters`` scaling holds for every variant: ``linear`` / ``yarn`` (and any static type) through those
+  frequencies, ``dynamic`` (NTK, recomputed from each forward's largest position id as transformers does while
+  positions grow) through vlpe's NTK scaling; with ``theta=`` the linear / yarn / dynamic scaling of the config is
+  applied by vlpe to that theta, and ``scaling=`` (a vlpe scaling dict, e.g. ``{"type": "yarn", "factor": {"t": 4},
+  "original_size": 32768}`` to stretch only time) replaces the config's. When the variant uses the
   model's native allocation (chunked for Qwen2/2.5-VL, interleaved for Qwen3-VL) and no ``section`` is given, the
   config's ``mrope_section`` is used, so ``mrope`` / ``qwen25vl`` / ``qwen3vl`` reproduce the released models.
 - The base model's ``compute_3d_position_ids`` and ``get_rope_index`` are replaced on the instance: the prompt's
@@ -50,13 +55,15 @@ import torch
 from torch import Tensor, nn
 
 from vlpe.encodings import multimodal as mm
+from vlpe.encodings.functional.rope import inv_freq as inv_freq_of
+from vlpe.encodings.functional.scaling import parse_scaling, scale_frequencies
 
 __all__ = ["Patch", "MultimodalRotary", "apply", "remove", "patch_of", "position_ids"]
 
 _MASK_BASES = ("sdpa", "eager")
-_ROTARY_KEYS = ("allocation", "section", "theta")
+_ROTARY_KEYS = ("allocation", "section", "theta", "scaling")
 _NATIVE_ALLOCATION = {"qwen2_vl": "chunked", "qwen2_5_vl": "chunked", "qwen3_vl": "interleaved"}
-_RUNTIME_ROPE_TYPES = ("dynamic", "longrope")  # inv_freq changes with the sequence length
+_RUNTIME_ROPE_TYPES = ("longrope",)  # inv_freq switches with the sequence length (dynamic NTK is handled)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -113,18 +120,29 @@ class MultimodalRotary(nn.Module):
     recomputes the buffers of modules with that name.
     """
 
-    def __init__(self, patch: Patch, inv_freq: Tensor | None):
+    def __init__(self, patch: Patch, inv_freq: Tensor | None, dynamic: tuple[float, float] | None = None):
         super().__init__()
         self._patch = patch
         # fp32 frequencies kept off the module's buffers: model.to(bfloat16) must not round them
         self._inv_freq = inv_freq
+        self._dynamic = dynamic  # (factor, max_position_embeddings) of rope_type "dynamic"
 
-    def _frequencies(self, device: torch.device) -> dict[str, Tensor]:
+    def _frequencies(self, ids: Tensor) -> dict[str, Tensor]:
         if self._inv_freq is None:
             return {}
-        if self._inv_freq.device != device:
-            self._inv_freq = self._inv_freq.to(device)
-        return {"inv_freq": self._inv_freq}
+        if self._inv_freq.device != ids.device:
+            self._inv_freq = self._inv_freq.to(ids.device)
+        if self._dynamic is None:
+            return {"inv_freq": self._inv_freq}
+        # transformers' dynamic NTK: alpha = factor * L / L0 - (factor - 1) for the length L = max id + 1 (at least
+        # L0), i.e. base theta * alpha ** (d / (d - 2)): vlpe's ntk scaling with a factor computed on device
+        factor, L0 = self._dynamic
+        K = self._inv_freq.numel()
+        L = ids.amax().to(torch.float64) + 1
+        alpha = (factor * torch.clamp_min(L, L0) / L0 - (factor - 1)).view(1, 1)  # (A = 1, 1)
+        theta = self._patch.rotary_kwargs["theta"]
+        freqs = scale_frequencies(self._inv_freq.view(1, K), _NTK, lo=theta ** (-(K - 1) / K), num_pairs=K, factor=alpha)
+        return {"inv_freq": freqs[0]}
 
     def extra_repr(self) -> str:
         return f"variant={self._patch.label!r}"
@@ -132,7 +150,7 @@ class MultimodalRotary(nn.Module):
     def forward(self, x: Tensor, position_ids: Tensor) -> tuple[Tensor, Tensor]:
         patch = self._patch
         ids, valid = patch.unpack(position_ids, x.shape[0])
-        cos, sin = mm.rotary(patch.variant, ids, dtype=x.dtype, **patch.rotary_kwargs, **self._frequencies(ids.device))
+        cos, sin = mm.rotary(patch.variant, ids, dtype=x.dtype, **patch.rotary_kwargs, **self._frequencies(ids))
         tables = _Tables((cos, sin))
         tables.layered = patch.layered
         if patch.masked:
@@ -525,6 +543,31 @@ def _model_frequencies(rotary_cls: type, cfg, rope_type: str) -> tuple[Tensor, f
     return inv_freq.detach().float().cpu(), scaling
 
 
+_NTK = parse_scaling({"type": "ntk", "factor": 1.0}, num_axes=1)  # the factor is given per forward (dynamic)
+
+
+def _config_scaling(rope: dict, cfg) -> dict[str, Any] | None:
+    """The vlpe scaling dict of a config's ``rope_parameters`` (``linear`` / ``yarn``; None for ``default``), with
+    transformers' defaults (``beta_fast or 32``, a missing yarn factor from the ratio of the context lengths)."""
+    kind = rope.get("rope_type", "default")
+    if kind == "linear":
+        return {"type": "linear", "factor": rope["factor"]}
+    if kind != "yarn":
+        return None
+    original = rope["original_max_position_embeddings"]
+    factor = rope.get("factor") or cfg.max_position_embeddings / original
+    out: dict[str, Any] = {"type": "yarn", "factor": factor, "original_size": original,
+                           "truncate": rope.get("truncate", True)}
+    for key in ("beta_fast", "beta_slow"):
+        if rope.get(key):
+            out[key] = rope[key]
+    if rope.get("attention_factor") is not None:
+        out["attention_factor"] = rope["attention_factor"]
+    elif rope.get("mscale") and rope.get("mscale_all_dim"):
+        out["mscale"], out["mscale_all_dim"] = rope["mscale"], rope["mscale_all_dim"]
+    return out
+
+
 def _pads(mask: Tensor | None, B: int, S: int, device) -> Tensor:
     """``(B, 1)`` padding slots of every prompt."""
     if mask is None:
@@ -613,9 +656,25 @@ def apply(model: nn.Module, variant: str | mm.Variant, **options: Any) -> nn.Mod
     attn = text.layers[0].self_attn
     stock = text.rotary_emb
     rotary_kwargs: dict[str, Any] = {"head_dim": int(attn.head_dim), "num_kv_heads": int(cfg.num_key_value_heads)}
-    inv_freq = None
-    if "theta" in rotary_options:
-        rotary_kwargs["theta"] = float(rotary_options["theta"])
+    inv_freq = dynamic = None
+    if "theta" in rotary_options or "scaling" in rotary_options:  # vlpe's frequencies of theta, vlpe's scaling
+        rotary_kwargs["theta"] = float(rotary_options.get("theta", rope.get("rope_theta", v.theta)))
+        scaling = rotary_options["scaling"] if "scaling" in rotary_options else _config_scaling(rope, cfg)
+        if "scaling" not in rotary_options and rope_type not in ("default", "linear", "yarn", "dynamic"):
+            raise ValueError(
+                f"theta= with rope_type={rope_type!r}: vlpe scales its own frequencies by linear / yarn / dynamic "
+                "only; omit theta to use the model's own (scaled) frequencies"
+            )
+        if scaling is not None:
+            rotary_kwargs["scaling"] = scaling
+        if rope_type == "dynamic" and "scaling" not in rotary_options:
+            K = int(attn.head_dim) // 2
+            inv_freq = inv_freq_of(K, rotary_kwargs["theta"], dim=2 * K)
+            dynamic = (float(rope["factor"]), float(cfg.max_position_embeddings))
+    elif rope_type == "dynamic":  # the unscaled frequencies; the factor follows each forward's positions
+        inv_freq, _ = _model_frequencies(type(stock), cfg, "default")
+        rotary_kwargs["theta"] = float(rope["rope_theta"])
+        dynamic = (float(rope["factor"]), float(cfg.max_position_embeddings))
     else:  # the model's own frequencies, statically scaled as its rope_type says, recomputed in fp32
         inv_freq, scaling = _model_frequencies(type(stock), cfg, rope_type)
         rotary_kwargs["attention_scaling"] = float(scaling)
@@ -645,7 +704,7 @@ def apply(model: nn.Module, variant: str | mm.Variant, **options: Any) -> nn.Mod
     undo = patch._undo
 
     # 1. rotary module
-    text.rotary_emb = MultimodalRotary(patch, inv_freq)
+    text.rotary_emb = MultimodalRotary(patch, inv_freq, dynamic)
     undo.append(lambda: setattr(text, "rotary_emb", stock))
 
     # 2. position ids of prompts and of generated tokens; the public get_rope_index

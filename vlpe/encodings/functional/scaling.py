@@ -194,7 +194,7 @@ def _as(x, like: Tensor) -> Tensor:
 
 
 def scale_frequencies(
-    freqs: Tensor, scaling: RopeScaling | None, *, hi: Any = 1.0, lo: Any, num_pairs: Any
+    freqs: Tensor, scaling: RopeScaling | None, *, hi: Any = 1.0, lo: Any, num_pairs: Any, factor: Tensor | None = None
 ) -> Tensor:
     """``freqs`` ``(..., A, P)`` scaled per axis (axis dim -2) by ``scaling``; the same tensor for None.
 
@@ -204,6 +204,8 @@ def scale_frequencies(
         hi, lo, num_pairs: the reference spectrum of each entry's band: highest and lowest of ``num_pairs``
             geometric frequencies (floats, or tensors broadcastable to ``freqs``, e.g. per head). For
             ``inv_freq(P, theta)`` this is ``hi = 1, lo = theta ** (-(P - 1) / P)``.
+        factor: a factor computed on device, broadcastable to ``(A, 1)``, instead of ``scaling.factor`` (e.g.
+            transformers' dynamic NTK, whose factor follows the sequence length; no host read).
 
     Differentiable in ``freqs`` (learned frequencies keep their gradient); computed in fp64, autocast off,
     returned in ``freqs``' dtype. Multiply cos/sin by ``scaling.attention_factor`` afterwards.
@@ -215,7 +217,10 @@ def scale_frequencies(
         raise ValueError(f"scaling for {scaling.num_axes} axes applied to a frequency matrix with {A} axes")
     with torch.autocast(freqs.device.type, enabled=False):
         f = freqs.double()
-        s = torch.tensor(scaling.factor, dtype=torch.float64, device=f.device).view(A, 1)  # (A, 1)
+        if factor is None:
+            s = torch.tensor(scaling.factor, dtype=torch.float64, device=f.device).view(A, 1)  # (A, 1)
+        else:
+            s = factor.to(device=f.device, dtype=torch.float64)
         if scaling.type == "linear":
             return (f / s).to(freqs.dtype)
         w = f.abs()
