@@ -18,9 +18,28 @@ from .alibi import pairwise_distance
 from .base import Context, Encoding
 from .registry import register
 
-__all__ = ["FIRE"]
+__all__ = ["FIRE", "patch_bounds"]
 
 _EPS = 1e-6  # keeps the normaliser away from 0 (the paper's eps)
+
+
+def patch_bounds(pos, coords: Tensor) -> tuple[Tensor, Tensor]:
+    """Per-sample bounding box ``(lo, hi)``, each ``(B', 1, A)``, of the non-prefix, non-padding ``coords``
+    (``coords`` are ``pos.coords`` in the caller's precision); on device, no host read. A sample without
+    real tokens gets ``lo = hi = 0``.
+    """
+    patch = coords[:, pos.prefix :]  # (B, M, A)
+    if patch.shape[1] == 0:
+        zeros = coords.new_zeros(coords.shape[0], 1, coords.shape[2])
+        return zeros, zeros
+    if pos.valid is None:
+        return patch.amin(1, keepdim=True), patch.amax(1, keepdim=True)
+    ok = pos.valid[:, pos.prefix :, None]  # (B', M, 1)
+    big = torch.finfo(coords.dtype).max
+    lo = torch.where(ok, patch, big).amin(1, keepdim=True)
+    hi = torch.where(ok, patch, -big).amax(1, keepdim=True)
+    empty = lo > hi
+    return lo.masked_fill(empty, 0.0), hi.masked_fill(empty, 0.0)
 
 
 @register("fire")
@@ -129,17 +148,8 @@ class FIRE(Encoding):
 
     def _extent(self, pos, coords: Tensor) -> Tensor:
         """Per-sample coordinate extent of the non-prefix, non-padding tokens: ``(B, F)`` (F = A or 1)."""
-        patch = coords[:, pos.prefix :]  # (B, M, A)
-        if patch.shape[1] == 0:
-            rng = coords.new_zeros(coords.shape[0], coords.shape[2])
-        elif pos.valid is None:
-            rng = patch.amax(1) - patch.amin(1)  # (B, A)
-        else:
-            ok = pos.valid[:, pos.prefix :, None]  # (B', M, 1)
-            big = torch.finfo(coords.dtype).max
-            hi = torch.where(ok, patch, -big).amax(1)
-            lo = torch.where(ok, patch, big).amin(1)
-            rng = (hi - lo).clamp_min(0)  # (B', A); a sample without real tokens gets 0
+        lo, hi = patch_bounds(pos, coords)
+        rng = (hi - lo).squeeze(1)  # (B', A)
         if self.distance == "euclidean":
             rng = rng.square().sum(-1, keepdim=True).sqrt()  # (B, 1): the bounding-box diagonal
         return rng
@@ -155,6 +165,7 @@ class FIRE(Encoding):
 
     # ------------------------------------------------------------------ hooks
     def score(self, q: Tensor, k: Tensor, ctx: Context, layer: int, rows: slice | None = None) -> Tensor:
+        self.check_layer(layer)
         coords, patch = ctx["coords"], ctx["patch"]
         rows = slice(None) if rows is None else rows
         with torch.autocast(coords.device.type, enabled=False):
@@ -171,6 +182,7 @@ class FIRE(Encoding):
             return out.permute(0, 3, 1, 2)  # (B, H, n, N)
 
     def flex(self, q: Tensor, k: Tensor, ctx: Context, layer: int):
+        self.check_layer(layer)
         coords = ctx["coords"]
         B = q.shape[0]
         dt = coords.dtype

@@ -10,6 +10,7 @@ import torch
 from torch import Tensor
 
 from .base import Context
+from .fire import patch_bounds
 from .functional.rope import cos_sin, rope_angles
 from .registry import register
 from .rope import RotaryEncoding
@@ -161,19 +162,7 @@ class DINOv3RoPE(RotaryEncoding):
         return n
 
     def _measured_extent(self, pos, c: Tensor) -> tuple[Tensor, Tensor]:
-        patch = c[:, pos.prefix :]  # (B, M, A)
-        if patch.shape[1] == 0:
-            zeros = c.new_zeros(c.shape[0], 1, c.shape[2])
-            return zeros, zeros + 1.0
-        if pos.valid is None:
-            lo, hi = patch.amin(1, keepdim=True), patch.amax(1, keepdim=True)  # (B, 1, A)
-        else:
-            ok = pos.valid[:, pos.prefix :, None]  # (B', M, 1)
-            big = torch.finfo(c.dtype).max
-            lo = torch.where(ok, patch, big).amin(1, keepdim=True)
-            hi = torch.where(ok, patch, -big).amax(1, keepdim=True)
-            lo = torch.where(lo <= hi, lo, torch.zeros_like(lo))  # a sample without real tokens
-            hi = torch.maximum(hi, lo)
+        lo, hi = patch_bounds(pos, c)  # (B', 1, A) each
         return lo, self._combine_extents(hi - lo + 1.0)
 
     def _augment(self, u: Tensor) -> Tensor:
