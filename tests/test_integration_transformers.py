@@ -256,6 +256,106 @@ def test_expanded_batch_num_return_sequences():
 
 
 # ------------------------------------------------------------------------------------------------------------
+# packed rows (cu_seqlens): every sample's logits equal those of the sample alone
+# ------------------------------------------------------------------------------------------------------------
+
+
+def _text_prompt(n=5):
+    ids = torch.arange(30, 30 + n)[None]
+    return ids, torch.zeros_like(ids, dtype=torch.int32), {}
+
+
+def pack_prompts(rows, *, pad_id=2):
+    """Prompts ``rows`` (lists of ``make_prompt`` triples) packed into rows of one length: shorter rows end with
+    right padding inside their last sample. Returns ``(ids, types, mask, model kwargs, cu_seqlens per row)``;
+    the vision inputs are concatenated in order of appearance over the flattened batch."""
+    S = max(sum(p[0].shape[1] for p in row) for row in rows)
+    ids, types, mask, cus = [], [], [], []
+    for row in rows:
+        pad = S - sum(p[0].shape[1] for p in row)
+        ids.append(torch.cat([p[0][0] for p in row] + [torch.full((pad,), pad_id)]))
+        types.append(torch.cat([p[1][0] for p in row] + [torch.zeros(pad, dtype=row[0][1].dtype)]))
+        mask.append(torch.cat([torch.ones(S - pad, dtype=torch.long), torch.zeros(pad, dtype=torch.long)]))
+        lengths = [p[0].shape[1] for p in row]
+        lengths[-1] += pad
+        cus.append(torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()]))
+    flat = [p[2] for row in rows for p in row]
+    kw = {key: torch.cat([d[key] for d in flat if key in d]) for key in sorted({k for d in flat for k in d})}
+    return torch.stack(ids), torch.stack(types), torch.stack(mask), kw, cus
+
+
+PACKED_CASES = [("qwen2_vl", v) for v in VARIANTS] + [
+    ("qwen2_5_vl", v) for v in ("qwen25vl", "vrope", "pype")
+] + [("qwen3_vl", v) for v in ("qwen3vl", "v2pe", "mhrope")]
+
+
+@pytest.mark.parametrize("family,variant", PACKED_CASES)
+def test_packed_rows_give_every_sample_its_own_logits(family, variant):
+    """Samples packed into rows (cu_seqlens; one row of three, and two rows with padding) give every sample the
+    logits and rope delta it gets alone; the same row without the per-sample ids does not."""
+    model = model_for(family)
+    image = make_prompt(family, "image", pre=3, grid=(1, 4, 6), seed=1)
+    video = make_prompt(family, "video", pre=2, seed=2, seconds=0.75)
+    text = _text_prompt()
+    with patched(model, variant):
+        alone = {}
+        for name, p in (("image", image), ("video", video), ("text", text)):
+            pos, deltas = vhf.position_ids(model, p[1], p[2].get("image_grid_thw"), p[2].get("video_grid_thw"),
+                                           second_per_grid_ts=p[2].get("second_per_grid_ts"))  # fmt: skip
+            alone[name] = (logits(model, *p), deltas)
+        for layout in ([["image", "video", "text"]], [["video", "text"], ["image"]]):
+            prompts = {"image": image, "video": video, "text": text}
+            ids, types, mask, kw, cu = pack_prompts([[prompts[n] for n in row] for row in layout])
+            padded = not bool(mask.all())
+            pos, deltas = vhf.position_ids(
+                model, types, kw.get("image_grid_thw"), kw.get("video_grid_thw"), mask if padded else None,
+                kw.get("second_per_grid_ts"), cu_seqlens=cu,
+            )  # fmt: skip
+            got = logits(model, ids, types, kw, position_ids=pos, use_cache=False)
+            k = 0
+            for b, row in enumerate(layout):
+                for j, name in enumerate(row):
+                    start = int(cu[b][j])
+                    want, want_delta = alone[name]
+                    n = want.shape[1]
+                    torch.testing.assert_close(got[b, start : start + n], want[0], atol=ATOL, rtol=0,
+                                               msg=f"{family} {variant} {layout} {name}")  # fmt: skip
+                    torch.testing.assert_close(deltas[k], want_delta[0])
+                    k += 1
+            assert deltas.shape[0] == k
+            # control: the ids of the row as one sample (no cu_seqlens) mix the samples
+            whole, _ = vhf.position_ids(model, types, kw.get("image_grid_thw"), kw.get("video_grid_thw"),
+                                        mask if padded else None, kw.get("second_per_grid_ts"))  # fmt: skip
+            mixed = logits(model, ids, types, kw, position_ids=whole, use_cache=False)
+            second = int(cu[0][1])
+            assert (mixed[0, second:] - got[0, second:]).abs().max() > 100 * ATOL
+
+
+@pytest.mark.parametrize("variant", ["vrope", "pype"])
+def test_packed_rows_eager_and_other_depths(variant):
+    """Eager attention, and a 3-layer decoder (PyPE then has 5 position rows, which transformers does not read as
+    packed: the patch builds the block-diagonal mask itself; PyPE's own mask keeps to each sample)."""
+    family = "qwen2_vl"
+    torch.manual_seed(0)
+    cfg = model_for(family).config.to_dict()
+    cfg["text_config"]["num_hidden_layers"] = 3
+    cfg["text_config"]["layer_types"] = ["full_attention"] * 3
+    model = Qwen2VLForConditionalGeneration(Qwen2VLConfig(**cfg)).eval()
+    image, text = make_prompt(family, "image", seed=4), _text_prompt(4)
+    ids, types, mask, kw, cu = pack_prompts([[text, image, text]])
+    for impl in ("sdpa", "eager"):
+        model.set_attn_implementation(impl)
+        with patched(model, variant):
+            pos, _ = vhf.position_ids(model, types, kw["image_grid_thw"], cu_seqlens=cu)
+            got = logits(model, ids, types, kw, position_ids=pos, use_cache=False)
+            for j, p in enumerate((text, image, text)):
+                want = logits(model, *p)
+                start = int(cu[0][j])
+                torch.testing.assert_close(got[0, start : start + want.shape[1]], want[0], atol=ATOL, rtol=0)
+    model.set_attn_implementation("sdpa")
+
+
+# ------------------------------------------------------------------------------------------------------------
 # the patch changes what it should, and only that
 # ------------------------------------------------------------------------------------------------------------
 

@@ -43,6 +43,15 @@ What :func:`apply` changes, all of it undone by :func:`remove`:
 
 Ids for a collator: :func:`position_ids` returns the packed tensor to pass as ``model(..., position_ids=...)``.
 Do not pass ``position_ids`` to ``generate()`` of a patched model: let it compute them.
+
+Packed rows (several samples per row, for training): ``position_ids(model, ..., cu_seqlens=cu)`` gives every
+sample its own ids and a text row that restarts at every sample (:func:`vlpe.encodings.multimodal.text_position_ids`).
+Run the forward with those ``position_ids``, without ``attention_mask`` and without a cache (``use_cache=False``):
+transformers builds a block-diagonal causal mask from the text row of a 4-row tensor (3-axis designs), the patch
+builds the same mask for every other row count (1D designs, VRoPE, PyPE), and PyPE's own mask keeps to each
+sample, so every sample's logits equal those of the sample run alone. Padding goes inside a sample (e.g. at the end
+of a row's last one) and into the ``attention_mask`` given to :func:`position_ids` only: its slots get text
+position 0, so each attends to itself alone. Flash attention reads the text row of 4-row tensors only.
 """
 
 from __future__ import annotations
@@ -102,7 +111,7 @@ class _Tables(tuple):
     """``(cos, sin)`` as the decoder hands it to every layer, plus what the per-layer pre-hook needs.
 
     ``layered``: cos/sin carry a leading layer axis. ``ids``/``valid``: the design's ids ``(L, B, S)`` and the
-    real-token mask ``(B, S)`` of the current tokens, for layer masks.
+    sample label ``(B, S)`` of the current tokens (0 padding, else the packed sample's number + 1), for layer masks.
     """
 
     layered: bool = False
@@ -277,14 +286,15 @@ class Patch:
     # -- packed position tensor ----------------------------------------------------------------------------------
 
     def pack(self, text_pos: Tensor, ids: Tensor, valid: Tensor | None) -> Tensor:
-        """``(1 + rows, B, S)``: the Hugging Face 1D text row (packing, FA2), the design's ids, the real-token
-        mask for masked designs. Float when the ids are."""
+        """``(1 + rows, B, S)``: the Hugging Face 1D text row (packing, FA2), the design's ids, and for masked
+        designs the sample label of every token (0 padding; 1, or the packed sample's number + 1). Float when the
+        ids are."""
         parts = [text_pos[None], ids] + ([valid[None]] if self.masked else [])
         dtype = ids.dtype if ids.is_floating_point() else torch.long
         return torch.cat([p.to(device=ids.device, dtype=dtype) for p in parts], dim=0)
 
     def unpack(self, position_ids: Tensor, batch: int) -> tuple[Tensor, Tensor | None]:
-        """``(ids (A, B, S), valid (B, S) or None)`` from whatever reaches the rotary module."""
+        """``(ids (A, B, S), sample labels (B, S) or None)`` from whatever reaches the rotary module."""
         p = position_ids
         if p.dim() == 2 or (p.dim() == 3 and p.shape[0] > 1 and p.stride(0) == 0):
             # plain 1D positions, or the decoder's default / 2D input expanded over its axes: text only
@@ -295,7 +305,7 @@ class Patch:
         if p.dim() == 3 and p.shape[0] in (self.rows + 1, self.rows):
             p = p[-self.rows :]  # drop the text row unless the decoder already did
             if self.masked:
-                return p[:-1], p[-1] != 0
+                return p[:-1], p[-1]
             return p, None
         raise ValueError(
             f"position_ids of shape {tuple(p.shape)} do not fit variant {self.label!r}: expected "
@@ -317,8 +327,10 @@ class Patch:
         *,
         shape: tuple[int, int] | None = None,
         device=None,
+        cu_seqlens=None,
     ) -> tuple[Tensor, Tensor]:
-        """Packed ids ``(1 + rows, B, S)`` and ``rope_deltas`` of whole prompts (nothing cached)."""
+        """Packed ids ``(1 + rows, B, S)`` and ``rope_deltas`` of whole prompts (nothing cached); with
+        ``cu_seqlens`` (packed rows) every sample's own ids, a restarting text row, and ``rope_deltas (n, 1)``."""
         if mm_token_type_ids is None:
             if image_grid_thw is not None or video_grid_thw is not None:
                 raise ValueError(
@@ -348,14 +360,14 @@ class Patch:
             options.setdefault("second_per_grid_ts", second_per_grid_ts)
         grid, _ = mm.merge_grids(types, image_grid_thw, video_grid_thw, attention_mask, self.spatial_merge_size)
         ids, deltas = mm.position_ids(
-            self.variant, types, grid, attention_mask, self.spatial_merge_size, **options
+            self.variant, types, grid, attention_mask, self.spatial_merge_size, cu_seqlens=cu_seqlens, **options
         )
+        text_pos = mm.text_position_ids(types, attention_mask, cu_seqlens=cu_seqlens)  # (B, S)
+        valid = torch.ones(B, S, dtype=torch.long, device=types.device)
         if attention_mask is not None:
-            text_pos = (attention_mask.long().cumsum(-1) - 1).masked_fill(attention_mask == 0, 0)
-            valid = attention_mask != 0
-        else:
-            text_pos = torch.arange(S, device=types.device).expand(B, S)
-            valid = torch.ones(B, S, dtype=torch.bool, device=types.device)
+            valid = valid * (attention_mask != 0).to(device=types.device)
+        if cu_seqlens is not None:  # the sample label: samples never attend to each other (PyPE's mask)
+            valid = valid * (mm.packed_samples(cu_seqlens, B, S, device=types.device).index + 1)
         return self.pack(text_pos, ids, valid), deltas
 
     @property
@@ -514,8 +526,41 @@ class Patch:
         if tables.ids is not None and (cache is None or not cache.get_seq_length(layer)):
             # the whole sequence is in this forward; after a cached prefix come text tokens placed after
             # everything before them, for which the design's mask is the causal mask the model builds anyway
-            kwargs["vlpe_keep"] = mm.pype_attention_mask(tables.ids, layer, attention_mask=tables.valid)
+            label = tables.valid  # (B, S) 0 padding, else the sample: packed samples never see each other
+            keep = mm.pype_attention_mask(tables.ids, layer, attention_mask=label != 0)
+            kwargs["vlpe_keep"] = keep & (label.unsqueeze(-1) == label.unsqueeze(-2)).unsqueeze(1)
         return args, kwargs
+
+    def text_model_pre_hook(self, module: nn.Module, args: tuple, kwargs: dict):
+        """Forward pre-hook of the text model: packed rows for every row count of the position tensor.
+
+        Transformers reads packed samples (a text row restarting at every sample) from the first row of a 4-row
+        position tensor only, when neither an attention mask nor a cache is given. For the patch's other row counts
+        (1D designs, VRoPE's 4 axes, PyPE's layers) this builds the same mask from the text row, under the same
+        conditions, with transformers' own mask builder (so it fits the attention implementation).
+        """
+        pos = kwargs.get("position_ids")
+        if not isinstance(pos, Tensor) or pos.dim() != 3 or pos.shape[0] != self.rows + 1 or pos.shape[0] == 4:
+            return None
+        cache = kwargs.get("cache", kwargs.get("past_key_values"))
+        use_cache = kwargs.get("use_cache")
+        if use_cache is None:  # the model's default, as transformers resolves it (no cache under checkpointing)
+            use_cache = getattr(module.config, "use_cache", False)
+            use_cache = use_cache and not (module.training and getattr(module, "gradient_checkpointing", False))
+        if kwargs.get("attention_mask") is not None or cache is not None or use_cache:
+            return None
+        from transformers.masking_utils import create_causal_mask
+
+        embeds = kwargs.get("inputs_embeds")
+        if embeds is None:  # only the shape, dtype and device are read
+            dtype = module.get_input_embeddings().weight.dtype
+            embeds = torch.empty(*pos.shape[1:], 0, dtype=dtype, device=pos.device)
+        mask = create_causal_mask(
+            config=module.config, inputs_embeds=embeds, attention_mask=None, cache=None, position_ids=pos[0].long()
+        )
+        if mask is None:  # a plain causal mask: nothing is packed
+            return None
+        return args, {**kwargs, "attention_mask": mask}
 
     # -- undo ----------------------------------------------------------------------------------------------------
 
@@ -721,7 +766,11 @@ def apply(model: nn.Module, variant: str | mm.Variant, **options: Any) -> nn.Mod
         _install_rotation(module_name)
         undo.append(lambda: _uninstall_rotation(module_name))
 
-    # 4. per-layer tables and the design's mask
+    # 4. packed rows: the block-diagonal mask from the text row, for every row count
+    handle = text.register_forward_pre_hook(patch.text_model_pre_hook, with_kwargs=True)
+    undo.append(handle.remove)
+
+    # 5. per-layer tables and the design's mask
     if layered or masked:
         for layer in text.layers:
             handle = layer.self_attn.register_forward_pre_hook(patch.attention_pre_hook, with_kwargs=True)
@@ -751,16 +800,22 @@ def position_ids(
     video_grid_thw: Tensor | None = None,
     attention_mask: Tensor | None = None,
     second_per_grid_ts: Tensor | None = None,
+    *,
+    cu_seqlens=None,
 ) -> tuple[Tensor, Tensor]:
     """``(position_ids, rope_deltas)`` of whole prompts for a patched model, e.g. precomputed in a collator.
 
     Pass them as ``model(..., position_ids=position_ids)``. ``position_ids`` is packed ``(1 + rows, B, S)``: the
     Hugging Face text row (used for packed sequences), the design's ids, and for masked designs (PyPE) the
-    real-token mask.
+    sample label of every token (0 padding).
+
+    ``cu_seqlens`` (packed rows, the forms :func:`vlpe.encodings.multimodal.position_ids` takes): every sample gets
+    its own ids and a text row restarting at 0; ``rope_deltas`` is ``(n, 1)``, one per sample. Run the forward
+    without ``attention_mask`` and with ``use_cache=False`` (see the module docstring).
     """
     patch = patch_of(model)
     if patch is None:
         raise ValueError("position_ids needs a model patched with vlpe.integrations.transformers.apply")
     return patch.prompt_position_ids(
-        mm_token_type_ids, image_grid_thw, video_grid_thw, attention_mask, second_per_grid_ts
+        mm_token_type_ids, image_grid_thw, video_grid_thw, attention_mask, second_per_grid_ts, cu_seqlens=cu_seqlens
     )
