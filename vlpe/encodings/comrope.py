@@ -179,9 +179,8 @@ class ComRoPE(RotaryScaling, Encoding):
             hi = hi.clamp_min(1e-30)
         if self.variant == "ld":
             pairs: Any = self.num_blocks
-        else:
-            pairs = torch.tensor([len(range(a, self.num_blocks, self.num_axes)) for a in range(self.num_axes)],
-                                 dtype=torch.float64).view(-1, 1)  # (A, 1) blocks per axis
+        else:  # blocks per axis
+            pairs = [max(2, len(range(a, self.num_blocks, self.num_axes))) for a in range(self.num_axes)]  # a lone block: j = 0
         return {"hi": hi, "lo": lo, "num_pairs": pairs}
 
     def scaled(self, freqs: Tensor) -> Tensor:

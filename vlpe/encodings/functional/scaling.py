@@ -189,8 +189,19 @@ def parse_scaling(
     )
 
 
-def _as(x, like: Tensor) -> Tensor:
-    return torch.as_tensor(x, dtype=torch.float64, device=like.device)
+def _on(x: Any, like: Tensor) -> Tensor:
+    """``x`` (a float, a per-axis sequence -> ``(A, 1)``, or a tensor) as fp64 on ``like``'s device, filled there
+    (no host-to-device copy of Python numbers on the forward path)."""
+    if isinstance(x, Tensor):
+        return x.to(device=like.device, dtype=torch.float64)
+    if isinstance(x, (list, tuple)):
+        if len(set(x)) == 1:
+            return torch.full((len(x), 1), float(x[0]), dtype=torch.float64, device=like.device)
+        out = torch.empty(len(x), 1, dtype=torch.float64, device=like.device)  # (A, 1)
+        for a, v in enumerate(x):  # axes, not tokens
+            out[a].fill_(float(v))
+        return out
+    return torch.full((), float(x), dtype=torch.float64, device=like.device)
 
 
 def scale_frequencies(
@@ -202,7 +213,7 @@ def scale_frequencies(
         freqs: frequency matrix, fp32 (fp64 kept); any leading dims (layers, heads) broadcast.
         scaling: from :func:`parse_scaling` for A axes.
         hi, lo, num_pairs: the reference spectrum of each entry's band: highest and lowest of ``num_pairs``
-            geometric frequencies (floats, or tensors broadcastable to ``freqs``, e.g. per head). For
+            geometric frequencies (floats, per-axis sequences, or tensors broadcastable to ``freqs``). For
             ``inv_freq(P, theta)`` this is ``hi = 1, lo = theta ** (-(P - 1) / P)``.
         factor: a factor computed on device, broadcastable to ``(A, 1)``, instead of ``scaling.factor`` (e.g.
             transformers' dynamic NTK, whose factor follows the sequence length; no host read).
@@ -217,16 +228,13 @@ def scale_frequencies(
         raise ValueError(f"scaling for {scaling.num_axes} axes applied to a frequency matrix with {A} axes")
     with torch.autocast(freqs.device.type, enabled=False):
         f = freqs.double()
-        if factor is None:
-            s = torch.tensor(scaling.factor, dtype=torch.float64, device=f.device).view(A, 1)  # (A, 1)
-        else:
-            s = factor.to(device=f.device, dtype=torch.float64)
+        s = _on(scaling.factor if factor is None else factor, f)  # (A, 1)
         if scaling.type == "linear":
             return (f / s).to(freqs.dtype)
         w = f.abs()
-        if not isinstance(num_pairs, Tensor) and num_pairs < 2:
+        if not isinstance(num_pairs, Tensor) and min(num_pairs if isinstance(num_pairs, (list, tuple)) else [num_pairs]) < 2:
             raise ValueError(f"{scaling.type} scaling needs at least 2 rotation pairs per axis, got {num_pairs}")
-        hi_t, lo_t, P = _as(hi, f), _as(lo, f), _as(num_pairs, f)
+        hi_t, lo_t, P = _on(hi, f), _on(lo, f), _on(num_pairs, f)
         span = torch.log(hi_t / lo_t).clamp_min(1e-12)  # log range of the band
         safe = torch.where(w > 0, w, torch.ones_like(w))
         j = (P - 1) * torch.log(hi_t / safe) / span  # (..., A, P) spectral index, 0 = highest
@@ -234,8 +242,7 @@ def scale_frequencies(
             top = (P - 1).clamp_min(1)
             gain = s ** (-torch.minimum(j.clamp(min=0), top) / top)
         else:
-            L = torch.tensor([1.0 if o is None else o for o in scaling.original], dtype=torch.float64,
-                             device=f.device).view(A, 1)
+            L = _on([1.0 if o is None else o for o in scaling.original], f)  # (A, 1)
 
             def correction(rotations: float) -> Tensor:  # spectral index of the pair turning that often over L
                 return (P - 1) * torch.log(hi_t * L / (rotations * 2 * math.pi)) / span
