@@ -21,7 +21,7 @@ from torch import Tensor, nn
 from .encodings.base import Context, Encoding
 from .positions import Positions
 
-__all__ = ["attend", "attention_logits", "Attention", "dense_score_mod", "Backend"]
+__all__ = ["attend", "attention_logits", "Attention", "dense_score_mod", "Backend", "check_qkv"]
 
 Backend = Literal["sdpa", "eager", "flex"]
 BACKENDS = ("sdpa", "eager", "flex")
@@ -36,6 +36,59 @@ def _key_padding(ctx: Context | None, dtype: torch.dtype) -> Tensor | None:
         return None
     valid = ctx.pos.valid[:, None, None, :]  # (B, 1, 1, N)
     return torch.zeros(valid.shape, dtype=dtype, device=valid.device).masked_fill(~valid, float("-inf"))
+
+
+def _shape(t) -> object:
+    return tuple(t.shape) if isinstance(t, Tensor) else type(t).__name__
+
+
+def check_qkv(
+    q: Tensor, k: Tensor, v: Tensor | None, *, enc: Encoding | None, ctx: Context | None, who: str,
+    attn_mask: Tensor | None = None,
+) -> None:
+    """Shape checks (no tensor is read): ``q, k, v`` are (B, H, N, Dh) with one batch and head count; with an
+    encoding, self-attention over the tokens its ``ctx`` describes, with its heads and head width."""
+    tensors = {"q": q, "k": k} if v is None else {"q": q, "k": k, "v": v}
+    if any(not isinstance(t, Tensor) or t.dim() != 4 for t in tensors.values()):
+        got = ", ".join(f"{n} {_shape(t)}" for n, t in tensors.items())
+        raise ValueError(f"{who}: q, k, v must be (B, H, N, Dh) tensors, got {got}")
+    B, H, Nq, D = q.shape
+    if k.shape[0] != B or (v is not None and v.shape[0] != B):
+        raise ValueError(f"{who}: q, k, v must share one batch size, got q {_shape(q)}, k {_shape(k)}"
+                         + ("" if v is None else f", v {_shape(v)}"))
+    if k.shape[1] != H or (v is not None and v.shape[1] != H):
+        raise ValueError(f"{who}: q, k, v must have the same number of heads, got q {H}, k {k.shape[1]}"
+                         + ("" if v is None else f", v {v.shape[1]}"))
+    if k.shape[-1] != D:
+        raise ValueError(f"{who}: q and k must have the same head width, got {D} and {k.shape[-1]}")
+    if v is not None and v.shape[-2] != k.shape[-2]:
+        raise ValueError(f"{who}: k and v must have the same number of tokens, got {k.shape[-2]} and {v.shape[-2]}")
+    if enc is not None:
+        name = type(enc).__name__
+        if H != enc.num_heads:
+            raise ValueError(f"{who}: {name} was built for {enc.num_heads} heads, q/k have {H}; build the encoding "
+                             f"with num_heads={H}")
+        if D != enc.head_dim:
+            raise ValueError(f"{who}: {name} was built for head_dim={enc.head_dim} (dim={enc.dim} / "
+                             f"{enc.num_heads} heads), q/k have head width {D}")
+        if k.shape[-2] != Nq:
+            raise ValueError(f"{who}: an encoding needs self-attention over the tokens of its positions, got "
+                             f"{Nq} query and {k.shape[-2]} key tokens")
+        if ctx is not None and isinstance(ctx, Context):
+            Encoding.check_tokens(q, ctx, who)
+            if ctx.pos.batch not in (1, B):
+                raise ValueError(f"{who}: positions have batch {ctx.pos.batch} but q/k have batch {B}; give one "
+                                 f"set of positions (batch 1) or one per sample")
+    if attn_mask is not None:
+        target = (B, H, Nq, k.shape[-2])
+        try:
+            fits = not isinstance(attn_mask, Tensor) or attn_mask.dim() > 4 or (
+                torch.broadcast_shapes(attn_mask.shape, target) != target
+            )
+        except RuntimeError:
+            fits = True
+        if fits:
+            raise ValueError(f"{who}: attn_mask {_shape(attn_mask)} must broadcast to (B, H, N, N) = {target}")
 
 
 def _combine(*biases: Tensor | None) -> Tensor | None:
@@ -78,9 +131,13 @@ def attend(
         raise ValueError(f"unknown attention backend {backend!r}; choose one of {BACKENDS}")
     if (enc is None) != (ctx is None):
         raise ValueError("attend needs both `enc` and `ctx` (ctx = enc.prepare(pos)) or neither")
+    if enc is not None and (not isinstance(ctx, Context) or ctx.owner not in (None, enc)):
+        got = type(ctx).__name__ if not isinstance(ctx, Context) else f"a Context of {type(ctx.owner).__name__}"
+        raise ValueError(f"attend: ctx must be what enc.prepare(pos) returned for this {type(enc).__name__}, got {got}")
+    check_qkv(q, k, v, enc=enc, ctx=ctx, who=f"{type(enc).__name__ if enc is not None else ''} attention".strip(),
+              attn_mask=attn_mask)
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     if enc is not None:
-        Encoding.check_tokens(q, ctx, f"{type(enc).__name__} attention")
         q, k = enc.rotate(q, k, ctx, layer)
         q, k = enc.widen(q, k, ctx, layer)
     if attn_mask is not None and attn_mask.dtype == torch.bool:
@@ -142,10 +199,8 @@ def attention_logits(enc: Encoding, q: Tensor, k: Tensor, pos: Positions, layer:
 
     ``q, k``: ``(B, H, N, Dh)`` as they enter attention. For tests and plots (this materialises N x N).
     """
-    if q.dim() != 4 or k.dim() != 4:
-        raise ValueError(f"q and k must be (B, H, N, Dh), got {tuple(q.shape)} and {tuple(k.shape)}")
     ctx = enc.prepare(pos)
-    Encoding.check_tokens(q, ctx, f"{type(enc).__name__} attention_logits")
+    check_qkv(q, k, None, enc=enc, ctx=ctx, who=f"{type(enc).__name__} attention_logits")
     scale = q.shape[-1] ** -0.5
     q, k = enc.rotate(q, k, ctx, layer)
     q, k = enc.widen(q, k, ctx, layer)
@@ -243,7 +298,11 @@ class Attention(nn.Module):
         layer: int = 0,
         attn_mask: Tensor | None = None,
     ) -> Tensor:
+        if not isinstance(x, Tensor) or x.dim() != 3:
+            raise ValueError(f"Attention expects tokens (B, N, C), got {_shape(x)}; add the batch dimension")
         B, N, C = x.shape
+        if C != self.qkv.in_features:
+            raise ValueError(f"Attention was built for dim={self.qkv.in_features}, got tokens of width {C}")
         qkv = self.qkv(x).reshape(B, N, 3, self.num_heads, self.head_dim).permute(2, 0, 3, 1, 4)
         q, k, v = qkv.unbind(0)  # (B, H, N, Dh) each
         q, k = self.q_norm(q), self.k_norm(k)

@@ -16,12 +16,29 @@ Conventions:
 from __future__ import annotations
 
 import math
+import operator
 from typing import Sequence
 
 import torch
 from torch import Tensor
 
 __all__ = ["Positions"]
+
+
+def whole(value, what: str) -> int:
+    """``value`` as an int when it is a whole number (int, numpy/torch integer, a float such as 2.0), else a
+    ``ValueError`` naming ``what``: 2.7 patches or 1.9 prefix tokens are mistakes, never rounded silently."""
+    if isinstance(value, bool):
+        raise ValueError(f"{what} must be a whole number, got {value!r}")
+    try:
+        return operator.index(value)
+    except TypeError:
+        pass
+    if isinstance(value, Tensor) and value.numel() == 1:
+        value = value.item()  # a 0-d tensor given as a size: a Python-level argument, not a hot path
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    raise ValueError(f"{what} must be a whole number, got {value!r}")
 
 
 def _as_coords(coords: Tensor) -> Tensor:
@@ -78,14 +95,14 @@ class Positions:
                 "Positions got NaN or infinite coordinates; every coordinate must be finite "
                 "(mark padding tokens with `valid=` instead of NaN)"
             )
-        prefix = int(prefix)
+        prefix = whole(prefix, "prefix (the number of prefix tokens)")
         if prefix < 0 or prefix > N:
             raise ValueError(f"prefix must be in [0, N={N}] (the number of tokens), got {prefix}")
         if prefix and bool((coords[:, :prefix] != 0).any()):
             coords = coords.clone()
             coords[:, :prefix] = 0  # prefix tokens have no coordinates (documented convention)
         if grid is not None:
-            grid = tuple(int(g) for g in grid)
+            grid = tuple(whole(g, f"grid size {g!r} of grid {tuple(grid)}") for g in grid)
             if any(g < 1 for g in grid) or math.prod(grid) != N - prefix:
                 raise ValueError(
                     f"grid {grid} holds {math.prod(grid)} tokens but the sequence has N - prefix = {N - prefix}"
@@ -119,9 +136,12 @@ class Positions:
         device: torch.device | str | None = None,
     ) -> "Positions":
         """Integer coordinates of a row-major grid of any number of axes, prefix tokens first."""
-        shape = tuple(int(s) for s in shape)
+        shape = tuple(whole(s, f"grid size {s!r} of {tuple(shape)}") for s in shape)
         if any(s < 1 for s in shape):
             raise ValueError(f"grid sizes must be >= 1, got {shape}")
+        prefix = whole(prefix, "prefix (the number of prefix tokens)")
+        if prefix < 0:
+            raise ValueError(f"prefix (the number of prefix tokens) must be >= 0, got {prefix}")
         ranges = [torch.arange(s, device=device, dtype=torch.int64) for s in shape]
         mesh = torch.meshgrid(*ranges, indexing="ij")
         coords = torch.stack(mesh, dim=-1).reshape(-1, len(shape)).float()  # (prod, A)

@@ -28,9 +28,7 @@ class AdditiveEmbedding(Encoding):
     """
 
     def embed(self, x: Tensor, ctx: Context) -> Tensor:
-        self.check_tokens(x, ctx, f"{type(self).__name__}.embed")
-        if x.shape[-1] != self.dim:
-            raise ValueError(f"{type(self).__name__}.embed: tokens have width {x.shape[-1]}, expected dim={self.dim}")
+        self.check_x(x, ctx, f"{type(self).__name__}.embed")
         pe = ctx["pe"]  # (B or 1, N, C)
         return x + pe.to(x.dtype)
 

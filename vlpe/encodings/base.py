@@ -28,6 +28,7 @@ the ``n`` query rows asked for, ``-inf`` where attention is forbidden.
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Callable, ClassVar
 
 import torch
@@ -56,17 +57,26 @@ class Context:
     """Per-forward state of an encoding: the positions and the tables built from them once.
 
     ``tables`` is a plain dict the encoding fills in :meth:`Encoding.prepare`; layers only read it.
+    ``owner`` is the encoding that prepared it: its hooks refuse a context prepared by another one.
     """
 
-    __slots__ = ("pos", "tables", "training")
+    __slots__ = ("pos", "tables", "training", "owner")
 
-    def __init__(self, pos: Positions, *, training: bool = False) -> None:
+    def __init__(self, pos: Positions, *, training: bool = False, owner: "Encoding | None" = None) -> None:
         self.pos = pos
         self.tables: dict[str, Any] = {}
         self.training = training
+        self.owner = owner
 
     def __getitem__(self, key: str) -> Any:
-        return self.tables[key]
+        try:
+            return self.tables[key]
+        except KeyError:
+            who = "an unknown encoding" if self.owner is None else type(self.owner).__name__
+            raise ValueError(
+                f"this Context has no table {key!r}: it was prepared by {who}; pass the ctx that this "
+                f"encoding's own prepare(pos) returned"
+            ) from None
 
     def __setitem__(self, key: str, value: Any) -> None:
         self.tables[key] = value
@@ -102,6 +112,8 @@ class Encoding(nn.Module):
             raise ValueError(f"dim must be a positive multiple of num_heads, got dim={dim}, num_heads={num_heads}")
         if depth < 1:
             raise ValueError(f"depth must be >= 1, got {depth}")
+        if num_axes < 1:
+            raise ValueError(f"num_axes (coordinate axes per token) must be >= 1, got {num_axes}")
         if self.supported_axes is not None and num_axes not in self.supported_axes:
             raise ValueError(
                 f"{type(self).__name__} supports {' or '.join(map(str, self.supported_axes))} coordinate axes, "
@@ -115,6 +127,32 @@ class Encoding(nn.Module):
         self.head_dim = dim // num_heads
         self.depth = depth
         self.num_axes = num_axes
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        for hook, at in _CTX_ARG.items():  # every hook a subclass defines checks the ctx it is given
+            fn = cls.__dict__.get(hook)
+            if callable(fn) and fn is not getattr(Encoding, hook) and not hasattr(fn, "_checks_ctx"):
+                setattr(cls, hook, _checking_ctx(fn, hook, at))
+
+    def check_layer(self, layer: int) -> None:
+        """Raise ``ValueError`` unless ``0 <= layer < depth`` (for encodings with per-layer state)."""
+        if not 0 <= layer < self.depth:
+            raise ValueError(
+                f"{type(self).__name__} was built with depth={self.depth} (one set per layer), got layer={layer}; "
+                f"build it with depth= the number of attention blocks of the model"
+            )
+
+    def check_x(self, x: Tensor, ctx: Context, who: str) -> None:
+        """Raise ``ValueError`` unless tokens ``x`` are ``(B, N, dim)`` with N the positions' token count."""
+        if not isinstance(x, Tensor) or x.dim() != 3:
+            shape = tuple(x.shape) if isinstance(x, Tensor) else type(x).__name__
+            raise ValueError(f"{who}: tokens must be (B, N, C), got {shape}; add the batch dimension")
+        if x.shape[-1] != self.dim:
+            raise ValueError(f"{who}: tokens have width {x.shape[-1]}, expected dim={self.dim}")
+        self.check_tokens(x, ctx, who, dim=1)
+        if ctx.pos.batch not in (1, x.shape[0]):
+            raise ValueError(f"{who}: positions have batch {ctx.pos.batch} but the tokens have batch {x.shape[0]}")
 
     def _apply(self, fn, recurse=True):
         if not self.keep_fp32:
@@ -136,7 +174,7 @@ class Encoding(nn.Module):
                 f"{type(self).__name__} needs tokens on a regular grid (Positions.grid / .video / .grid_nd); "
                 f"these positions have none (point clouds or ragged batches)"
             )
-        ctx = Context(pos, training=self.training)
+        ctx = Context(pos, training=self.training, owner=self)
         self._prepare(ctx)
         return ctx
 
@@ -201,6 +239,30 @@ class Encoding(nn.Module):
             raise ValueError(
                 f"{who}: the input has {t.shape[dim]} tokens but positions describe {ctx.pos.num_tokens}"
             )
+
+
+#: hook -> index of its ``ctx`` argument (after ``self``)
+_CTX_ARG = {"embed": 1, "mix": 1, "values": 1, "rotate": 2, "widen": 2, "score": 2, "flex": 2}
+
+
+def _checking_ctx(fn: Callable, hook: str, at: int) -> Callable:
+    """``fn`` (a hook) behind a check that its ``ctx`` is a :class:`Context` this encoding prepared
+    (Python-level: no tensor is read)."""
+
+    @functools.wraps(fn)
+    def checked(self, *args, **kwargs):
+        ctx = args[at] if len(args) > at else kwargs.get("ctx")
+        owner = getattr(ctx, "owner", None) if isinstance(ctx, Context) else self
+        if not isinstance(ctx, Context) or owner is not None and owner is not self:
+            got = type(ctx).__name__ if not isinstance(ctx, Context) else f"a Context of {type(owner).__name__}"
+            raise ValueError(
+                f"{type(self).__name__}.{hook} needs the Context returned by this encoding's prepare(pos), "
+                f"got {got}; call ctx = enc.prepare(pos) once per forward and pass it to every hook"
+            )
+        return fn(self, *args, **kwargs)
+
+    checked._checks_ctx = True  # type: ignore[attr-defined]
+    return checked
 
 
 def fp32(t: Tensor) -> Tensor:

@@ -164,6 +164,7 @@ class IRPE(Encoding):
 
     # ------------------------------------------------------------------ hooks
     def score(self, q: Tensor, k: Tensor, ctx: Context, layer: int, rows: slice | None = None) -> Tensor | None:
+        self.check_layer(layer)
         if "q" not in self.rpe_on and "k" not in self.rpe_on:
             return None
         scale = self.head_dim**-0.5
@@ -192,6 +193,7 @@ class IRPE(Encoding):
 
     def values(self, attn: Tensor, ctx: Context, layer: int, rows: slice | None = None) -> Tensor | None:
         """``sum_j a_ij r_v[I(i, j)]``: probabilities summed per bucket, then one ``(buckets, d)`` matmul."""
+        self.check_layer(layer)
         if "v" not in self.rpe_on:
             return None
         B, H, n, N = attn.shape

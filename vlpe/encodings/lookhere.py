@@ -216,6 +216,7 @@ class LookHere(Encoding):
     # ------------------------------------------------------------------ slopes
     def layer_slope(self, layer: int) -> float:
         """``linspace(layer_slopes[0], layer_slopes[1], depth)[layer]``."""
+        self.check_layer(layer)
         s0, s1 = self.layer_slopes
         return s0 if self.depth == 1 else s0 + (s1 - s0) * layer / (self.depth - 1)
 

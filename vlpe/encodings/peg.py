@@ -84,10 +84,11 @@ class PEG(Encoding):
             )
 
     def mix(self, x: Tensor, ctx: Context, layer: int) -> Tensor:
+        self.check_layer(layer)
         slot = self._slot.get(layer)
         if slot is None:
             return x
-        self.check_tokens(x, ctx, "PEG", dim=1)
+        self.check_x(x, ctx, "PEG")
         B, N, C = x.shape
         p, grid = ctx.pos.prefix, ctx.pos.grid
         tokens = x[:, p:]  # (B, n, C)

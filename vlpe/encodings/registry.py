@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import difflib
 import inspect
+import numbers
+import types
+import typing
 from dataclasses import dataclass, field
 from typing import Any, Callable, TypeVar
 
@@ -103,7 +106,57 @@ def build(name: str, *, dim: int, num_heads: int, **options: Any) -> Encoding:
         valid = ", ".join(sorted(accepted - {"dim", "num_heads"}))
         raise ValueError(f"encoding {name!r} does not take option(s) {unknown}; it takes: {valid}")
     kwargs = {**entry.defaults, **options}
+    check_option_types(entry.cls, {"dim": dim, "num_heads": num_heads, **kwargs}, who=f"encoding {name!r}")
     return entry.cls(dim=dim, num_heads=num_heads, **kwargs)
+
+
+def _scalar_kinds(annotation: Any) -> tuple[type, ...] | None:
+    """The scalar types (int, float, str) an annotation allows, None allowed as ``type(None)``; None when the
+    annotation is anything else (sequences, tensors, literals: left to the encoding's own checks)."""
+    if annotation in (int, float, str):
+        return (annotation,)
+    if typing.get_origin(annotation) in (typing.Union, types.UnionType):
+        kinds: list[type] = []
+        for a in typing.get_args(annotation):
+            if a is type(None):
+                kinds.append(a)
+            elif a in (int, float, str):
+                kinds.append(a)
+            else:
+                return None
+        return tuple(kinds)
+    return None
+
+
+def _fits(value: Any, kind: type) -> bool:
+    if kind is type(None):
+        return value is None
+    if isinstance(value, bool):  # True is an int to Python, never a size or a frequency base here
+        return False
+    if kind is int:
+        return isinstance(value, numbers.Integral)
+    if kind is float:
+        return isinstance(value, numbers.Real)
+    return isinstance(value, kind)
+
+
+def check_option_types(cls: type[Encoding], options: dict[str, Any], *, who: str) -> None:
+    """Raise ``ValueError`` for an option whose value does not fit the constructor's int / float / str
+    annotation (e.g. ``theta="100"``); other annotations are left to the encoding."""
+    hints: dict[str, Any] = {}
+    for klass in reversed(cls.__mro__):
+        init = klass.__dict__.get("__init__")
+        if init is None or klass is object:
+            continue
+        try:
+            hints.update(typing.get_type_hints(init))
+        except Exception:  # unresolvable annotations: nothing to check against
+            continue
+    for key, value in options.items():
+        kinds = _scalar_kinds(hints.get(key))
+        if kinds is not None and not any(_fits(value, k) for k in kinds):
+            names = " or ".join("None" if k is type(None) else k.__name__ for k in kinds)
+            raise ValueError(f"{who}: option {key}={value!r} must be {names}, got {type(value).__name__}")
 
 
 _LOADED = False

@@ -31,6 +31,8 @@ class ImageTokenizer(nn.Module):
     * Prefix tokens: ``num_prefix`` learned tokens (CLS first, then registers) are prepended and described
       by ``pos.prefix``. With ``num_prefix=0`` (default) the model adds its own prefix, e.g. with
       :func:`vlpe.tokenizers.prepend_prefix`, which keeps tokens and positions in step.
+    * Values: NaN or infinite pixels raise ``ValueError`` naming the sample (one reduction and one
+      device-to-host read per call; ``check_finite=False`` skips it where the data is known to be clean).
     * Sizes: an image smaller than one patch along either side raises ``ValueError``. A side that is not a
       multiple of the patch raises (``fit='raise'``, default), drops the bottom/right remainder
       (``fit='crop'``, what a strided convolution does silently) or zero-pads the bottom/right edge up
@@ -46,6 +48,7 @@ class ImageTokenizer(nn.Module):
         num_prefix: int = 0,
         fit: Fit = "raise",
         bias: bool = True,
+        check_finite: bool = True,
     ) -> None:
         super().__init__()
         if dim < 1 or in_chans < 1:
@@ -54,6 +57,7 @@ class ImageTokenizer(nn.Module):
         self.in_chans = in_chans
         self.dim = dim
         self.fit = check_fit(fit)
+        self.check_finite = bool(check_finite)
         self.proj = nn.Conv2d(in_chans, dim, kernel_size=self.patch_size, stride=self.patch_size, bias=bias)
         self.prefix = PrefixTokens(num=num_prefix, dim=dim)
 
@@ -90,6 +94,19 @@ class ImageTokenizer(nn.Module):
             )
         return self.prefix(tokens, pos)
 
+    def _check_finite(self, images: Sequence[Tensor]) -> None:
+        """``ValueError`` naming the first sample with a NaN/inf pixel (one read for the whole batch)."""
+        if not self.check_finite:
+            return
+        ok = torch.cat([torch.isfinite(x).flatten(1).all(1) for x in images])  # (B,)
+        if bool(ok.all()):
+            return
+        bad = int((~ok).nonzero()[0, 0])
+        raise ValueError(
+            f"{type(self).__name__}: image sample {bad} has NaN or infinite pixels; fix or drop it before "
+            f"tokenizing (or build with check_finite=False)"
+        )
+
     def _check_channels(self, c: int) -> None:
         if c != self.in_chans:
             raise ValueError(
@@ -109,6 +126,7 @@ class ImageTokenizer(nn.Module):
 
     def _same_size(self, x: Tensor) -> tuple[Tensor, Positions]:
         self._check_channels(x.shape[1])
+        self._check_finite([x])
         h, w = self.grid_size(x.shape[-2], x.shape[-1])
         tokens = self._embed(x, h, w)  # (B, h * w, dim)
         return tokens, Positions.grid(h, w, device=x.device)
@@ -123,6 +141,7 @@ class ImageTokenizer(nn.Module):
             self._check_channels(img.shape[0])
         if all(img.shape == images[0].shape for img in images):
             return self._same_size(torch.stack(images))
+        self._check_finite([img.unsqueeze(0) for img in images])
         sizes = [self.grid_size(img.shape[-2], img.shape[-1]) for img in images]
         # one convolution per distinct input size (batches usually hold few sizes)
         groups: dict[tuple[int, ...], list[int]] = {}

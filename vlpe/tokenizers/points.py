@@ -24,6 +24,12 @@ def gather_points(x: Tensor, idx: Tensor) -> Tensor:
     return out.reshape(*idx.shape, x.shape[-1])
 
 
+def _zero_padding(xyz: Tensor, valid: Tensor | None) -> Tensor:
+    """``xyz`` with padding points (``valid`` False) at the origin: whatever they hold (NaN included) never
+    reaches a distance, a mean or a max of the real points."""
+    return xyz if valid is None else xyz.masked_fill(~valid.unsqueeze(-1), 0.0)
+
+
 def start_index(xyz: Tensor, valid: Tensor | None = None, *, start: Start = "far") -> Tensor:
     """First FPS centre per cloud, (B,) long.
 
@@ -33,6 +39,7 @@ def start_index(xyz: Tensor, valid: Tensor | None = None, *, start: Start = "far
     """
     B, P, _ = xyz.shape
     real = torch.ones(B, P, dtype=torch.bool, device=xyz.device) if valid is None else valid
+    xyz = _zero_padding(xyz, valid)
     if start == "first":
         return real.to(torch.int8).argmax(dim=1)  # first True
     if start == "random":
@@ -64,7 +71,7 @@ def farthest_point_sample(
     B, P, _ = xyz.shape
     if not 1 <= num_samples <= P:
         raise ValueError(f"num_samples must be in [1, P={P}] (the number of points), got {num_samples}")
-    pts = fp32(xyz)
+    pts = fp32(_zero_padding(xyz, valid))
     if valid is None:
         dist = torch.full((B, P), float("inf"), dtype=pts.dtype, device=pts.device)
     else:
@@ -104,7 +111,10 @@ class PointTokenizer(nn.Module):
     """Point-cloud group tokens (Point-BERT / Point-MAE): FPS centres, kNN groups, a mini-PointNet per group.
 
     Input: ``xyz`` (B, P, 3) (any coordinate count ``num_axes``), optional per-point ``features``
-    (B, P, in_features) (colour, normals) and ``valid`` (B, P) bool for padded clouds. Output: tokens
+    (B, P, in_features) (colour, normals) and ``valid`` (B, P) bool for padded clouds. Padding points may
+    hold anything (NaN included): they are moved to the origin before sampling. Real points must be finite
+    and every cloud needs at least one: both are checked in one small reduction per call (one device-to-host
+    read; the encodings downstream read nothing back). Output: tokens
     (B, num_prefix + G, dim) and ``Positions.points`` of the G group centres (B, num_prefix + G, 3) in the
     input's units, ``num_prefix`` learned prefix tokens first (coordinate 0). With ``valid`` given,
     ``pos.valid`` marks group ``j`` of cloud ``b`` real iff ``j`` < its number of real points (groups beyond
@@ -190,6 +200,10 @@ class PointTokenizer(nn.Module):
             valid = torch.as_tensor(valid, dtype=torch.bool, device=xyz.device)
             if tuple(valid.shape) != (B, P):
                 raise ValueError(f"{who}: valid must be (B, P) = ({B}, {P}), got {tuple(valid.shape)}")
+            xyz = _zero_padding(xyz, valid)
+            if features is not None:
+                features = _zero_padding(features, valid)
+        self._check_values(xyz, features, valid)
         centre_idx, nbr_idx = self.group(xyz, valid)
         centres = gather_points(xyz, centre_idx)  # (B, G, A)
         local = gather_points(xyz, nbr_idx) - centres.unsqueeze(2)  # (B, G, k, A)
@@ -205,6 +219,29 @@ class PointTokenizer(nn.Module):
             group_valid = torch.arange(self.num_groups, device=xyz.device) < count  # (B, G)
         pos = Positions.points(centres.detach(), valid=group_valid)
         return self.prefix(tokens, pos)
+
+    @staticmethod
+    def _check_values(xyz: Tensor, features: Tensor | None, valid: Tensor | None) -> None:
+        """``ValueError`` for a NaN/inf real point (or feature) or a cloud without real points: one read."""
+        finite = torch.isfinite(xyz).all(-1)  # (B, P)
+        if features is not None:
+            finite &= torch.isfinite(features).all(-1)
+        real = torch.ones_like(finite) if valid is None else valid
+        bad_point = (real & ~finite).any(1)  # (B,)
+        empty = ~real.any(1)  # (B,)
+        flags = torch.stack([bad_point, empty])  # (2, B)
+        if not bool(flags.any()):
+            return
+        bad_point, empty = flags.cpu().tolist()
+        if any(empty):
+            raise ValueError(
+                f"PointTokenizer: cloud {empty.index(True)} has no real points (valid is all False); drop "
+                f"empty clouds from the batch"
+            )
+        raise ValueError(
+            f"PointTokenizer: cloud {bad_point.index(True)} has NaN or infinite real points (or features); "
+            f"fix the data or mark those points valid=False"
+        )
 
     def extra_repr(self) -> str:
         return f"num_groups={self.num_groups}, group_size={self.group_size}, start={self.start!r}"
