@@ -48,8 +48,8 @@ def test_convert_nope_equals_timm_without_position_embedding():
 def test_convert_keeps_weights_and_switches_encoding():
     m = _timm_vit()
     qkv = m.blocks[0].attn.qkv.weight
-    c = vt.convert(m, "lookhere").eval()
-    assert c.model.blocks[0].attn.qkv.weight is qkv  # shared, not copied
+    c = vt.convert(m, "lookhere", inplace=True).eval()
+    assert c.model.blocks[0].attn.qkv.weight is qkv  # inplace: shared, not copied
     assert c.model.pos_embed is None
     with torch.no_grad():
         a = c(torch.randn(1, 3, 224, 224))

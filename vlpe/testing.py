@@ -109,8 +109,9 @@ def effects(enc: Encoding, pos: Positions, q: Tensor, k: Tensor, x: Tensor) -> d
     out = {"logits": attention_logits(enc, q, k, pos)}
     if enc.uses("embed") or enc.uses("mix"):
         ctx = enc.prepare(pos)
-        if enc.uses("embed"):
-            out["embed"] = enc.embed(x, ctx) - x
+        if enc.uses("embed"):  # the difference at fp32 or better: bf16 tokens cancel to their rounding
+            wide = torch.promote_types(x.dtype, torch.float32)
+            out["embed"] = enc.embed(x, ctx).to(wide) - x.to(wide)
         if enc.uses("mix"):
             for layer in range(enc.depth):
                 out[f"mix{layer}"] = enc.mix(x, ctx, layer)
@@ -209,10 +210,11 @@ def check_rotation_invariant(enc: Encoding, *, atol: float = 1e-4) -> None:
 
 
 def check_fp32_angles(enc: Encoding, *, rel_tol: float = 5e-2) -> None:
-    """Under bf16 autocast, effects at large coordinates stay close to fp32.
+    """Under bf16 autocast, and for a copy cast with ``.to(torch.bfloat16)`` (bf16 inputs), effects at
+    large coordinates stay close to fp32.
 
-    Angles or distances computed in bf16 at coordinates ~500 are off by radians; bf16 matmuls alone
-    stay within a few percent.
+    Angles or distances computed in bf16 at coordinates ~500 (or from frequencies rounded to bf16 by the
+    cast) are off by radians; bf16 matmuls alone stay within a few percent.
     """
     pos = grid_positions(enc).shifted([500.0] * enc.num_axes)
     q, k = random_qk(enc, pos.num_tokens)
@@ -220,10 +222,16 @@ def check_fp32_angles(enc: Encoding, *, rel_tol: float = 5e-2) -> None:
     ref = effects(enc, pos, q, k, x)
     with torch.autocast("cpu", dtype=torch.bfloat16):
         low = effects(enc, pos, q, k, x)
-    for name, t in ref.items():
-        err = (low[name].double() - t.double()).abs().max().item() / t.abs().max().clamp_min(1e-6).item()
-        if not math.isfinite(err) or err > rel_tol:
-            raise PropertyFailure(f"fp32_angles: bf16-autocast {name} off by {err:.3g} (relative) > {rel_tol}")
+    # the cast copy gets bf16 inputs; small tokens, so what embed adds is not lost in the bf16 rounding of x
+    small = x * 1e-2
+    cast = copy.deepcopy(enc).to(torch.bfloat16)
+    bf16 = effects(cast, pos, q.bfloat16(), k.bfloat16(), small.bfloat16())
+    ref_small = effects(enc, pos, q, k, small) if enc.uses("embed") or enc.uses("mix") else ref
+    for how, out, base in (("bf16-autocast", low, ref), ("a .to(torch.bfloat16) copy's", bf16, ref_small)):
+        for name, t in base.items():
+            err = (out[name].double() - t.double()).abs().max().item() / t.abs().max().clamp_min(1e-6).item()
+            if not math.isfinite(err) or err > rel_tol:
+                raise PropertyFailure(f"fp32_angles: {how} {name} off by {err:.3g} (relative) > {rel_tol}")
 
 
 def check_errors(enc: Encoding) -> None:

@@ -8,10 +8,18 @@ import torch
 from torch import Tensor, nn
 
 from .absolute import AdditiveEmbedding
-from .base import Context
+from .base import Context, apply_keeping_fp32
 from .registry import register
 
 __all__ = ["LearnableFourier"]
+
+
+class _FP32Linear(nn.Linear):
+    """``nn.Linear`` whose weight stays at its exact fp32 value through ``.to(bfloat16)`` / ``.half()`` /
+    DeepSpeed casts (device moves and ``.double()`` apply): the frequencies ``W_r`` of the Fourier features."""
+
+    def _apply(self, fn, recurse=True):
+        return apply_keeping_fp32(self, super()._apply, fn, recurse)
 
 
 @register("fourier")
@@ -26,7 +34,8 @@ class LearnableFourier(AdditiveEmbedding):
     paper's notation; the popular ``learnable_fourier_positional_encoding`` package uses std ``gamma^-2``
     instead). Coordinates are in patch units, and the default gamma = 2 puts the initial frequencies in
     the band of the sin-cos embedding (up to ~1 rad per patch). Features are computed in fp32 with
-    autocast off; the MLP runs in the ambient precision. Being a function of each token's own coordinates,
+    autocast off, and ``W_r`` stays fp32 through ``.to(bfloat16)`` / ``.half()`` casts; the MLP runs in the
+    ambient precision (it follows casts). Being a function of each token's own coordinates,
     it extrapolates by evaluation at new coordinates. Prefix tokens get zeros. ``neutralize()`` zeroes the
     last layer, making the embedding exactly zero. Checked against a direct evaluation of the formula.
     """
@@ -59,7 +68,7 @@ class LearnableFourier(AdditiveEmbedding):
         self.gamma = float(gamma)
         self.groups = int(groups)
         M = num_axes // groups
-        self.w_r = nn.Linear(M, num_features // 2, bias=False)  # W_r: (F/2, M)
+        self.w_r = _FP32Linear(M, num_features // 2, bias=False)  # W_r: (F/2, M), fp32 through casts
         self.mlp = nn.Sequential(nn.Linear(num_features, hidden), nn.GELU(), nn.Linear(hidden, dim // groups))
         self.reset_parameters()
 

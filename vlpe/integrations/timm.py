@@ -2,7 +2,7 @@
 
     import timm, vlpe.integrations.timm as vt
     model = timm.create_model("vit_small_patch16_224", pretrained=False)
-    model = vt.convert(model, "lookhere")          # same weights, LookHere instead of the learned APE
+    model = vt.convert(model, "lookhere")          # a copy: same weights, LookHere instead of the learned APE
     logits = model(torch.randn(1, 3, 512, 384))    # any input size
 
 How: each block's attention module is replaced by :class:`HookedAttention`, which holds the *same*
@@ -145,12 +145,15 @@ class ConvertedViT(nn.Module):
         return {f"encoding.{n}" for n in self.encoding.no_weight_decay()}
 
 
-def convert(model: nn.Module, encoding: str | Encoding, **options: Any) -> ConvertedViT:
+def convert(model: nn.Module, encoding: str | Encoding, *, inplace: bool = False, **options: Any) -> ConvertedViT:
     """Return ``model`` (a timm ``VisionTransformer`` or ``Eva``) with ``encoding`` as its position encoding.
 
-    Weights are shared with ``model`` (not copied). ``options`` go to :func:`vlpe.encodings.build`;
-    ``depth`` and ``num_axes=2`` are filled in. With ``encoding="ape"`` the learned table is initialised
-    from the model's ``pos_embed``.
+    By default ``model`` is left untouched: the converted model holds a copy of it (same weight values).
+    ``inplace=True`` converts ``model`` itself (its attention modules are replaced, its ``pos_embed`` dropped)
+    and shares its weights, without the copy's memory. ``options`` go to :func:`vlpe.encodings.build`;
+    ``depth`` and ``num_axes=2`` are filled in. An :class:`~vlpe.encodings.Encoding` instance must fit the
+    model (its ``dim``, ``num_heads``, ``num_axes=2`` and a ``depth`` covering every block) and takes no
+    ``options``. With ``encoding="ape"`` the learned table is initialised from the model's ``pos_embed``.
     """
     blocks = getattr(model, "blocks", None)
     patch_embed = getattr(model, "patch_embed", None)
@@ -161,6 +164,7 @@ def convert(model: nn.Module, encoding: str | Encoding, **options: Any) -> Conve
     dim = int(getattr(model, "embed_dim", getattr(model, "num_features", 0)))
     heads = int(blocks[0].attn.num_heads)
     if isinstance(encoding, Encoding):
+        _check_fits(encoding, dim=dim, heads=heads, depth=len(blocks), options=options)
         enc = encoding
     else:
         options.setdefault("depth", len(blocks))
@@ -170,6 +174,10 @@ def convert(model: nn.Module, encoding: str | Encoding, **options: Any) -> Conve
             no_cls_slot = getattr(model, "no_embed_class", False)
             options.setdefault("prefix", 0 if no_cls_slot else int(getattr(model, "num_prefix_tokens", 0)))
         enc = build(encoding, dim=dim, num_heads=heads, **options)
+    if not inplace:
+        import copy
+
+        model = copy.deepcopy(model)
     pos_embed = getattr(model, "pos_embed", None)
     if encoding == "ape" and isinstance(pos_embed, nn.Parameter):
         _init_ape_from(enc, pos_embed.detach())
@@ -179,6 +187,31 @@ def convert(model: nn.Module, encoding: str | Encoding, **options: Any) -> Conve
     if getattr(model, "rope", None) is not None:
         model.rope = None
     return ConvertedViT(model, enc)
+
+
+def _check_fits(enc: Encoding, *, dim: int, heads: int, depth: int, options: dict) -> None:
+    """``ValueError`` unless an encoding instance was built for this model's width, heads, 2D grid and depth."""
+    name = type(enc).__name__
+    if options:
+        raise ValueError(
+            f"convert: options {sorted(options)} only apply when the encoding is given by name; {name} is "
+            f"already built (pass its name and the options instead)"
+        )
+    wrong = [
+        f"{what}={got} (the model needs {want})"
+        for what, got, want in (("dim", enc.dim, dim), ("num_heads", enc.num_heads, heads), ("num_axes", enc.num_axes, 2))
+        if got != want
+    ]
+    if wrong:
+        raise ValueError(
+            f"convert: {name} was built with {', '.join(wrong)}; build it with dim={dim}, num_heads={heads}, "
+            f"num_axes=2"
+        )
+    if enc.depth < depth:
+        raise ValueError(
+            f"convert: {name} was built with depth={enc.depth} but the model has {depth} blocks; build it with "
+            f"depth={depth}"
+        )
 
 
 def _init_ape_from(enc: Encoding, table: Tensor) -> None:
