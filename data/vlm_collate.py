@@ -33,6 +33,16 @@ temporal_patch_size x the mean frame interval of the real timestamps (Qwen2.5-VL
 first and last frame of each temporal patch (Qwen3-VL's convention). With ``position_variant`` set, also
 ``position_ids`` (A, B, S) and ``rope_deltas`` from :func:`vlpe.encodings.multimodal.position_ids`.
 :func:`to_hf_inputs` renames and splits the batch for ``transformers``' Qwen2-VL models.
+
+Packing (``packing=True``): the samples, in order, fill rows of at most ``max_length`` tokens (one row when
+``max_length`` is None), each row padded to the longest; the batch then also holds ``cu_seqlens`` (n + 1,) int32,
+the cumulative sample lengths over the flattened ``(B * S)`` batch as flash-attention's varlen kernels take them
+(a row's padding belongs to its last sample, or its first with left padding). ``attention_mask`` still marks
+padding; ``labels`` are every sample's own (its first token never supervised: nothing in the sample predicts it);
+``position_ids`` are every sample's own ids (text restarting at each sample) and ``rope_deltas`` (n, 1) one per
+sample. :func:`to_hf_inputs` then hands the model a position tensor with a text row restarting at every sample and
+no attention mask (``use_cache=False``), from which transformers builds a block-diagonal causal mask: samples never
+attend to each other.
 """
 
 from __future__ import annotations
@@ -120,6 +130,8 @@ class VLMCollator:
         position_variant: a :mod:`vlpe.encodings.multimodal` variant name (or Variant); when set the batch
             also gets ``position_ids`` and ``rope_deltas``. position_options: the design's options
             (``second_per_grid_ts`` is filled in from the real timestamps when the design takes it).
+        packing: pack several samples into each row of at most ``max_length`` tokens, in order, with
+            ``cu_seqlens`` and per-sample labels and positions (see the module docstring).
     """
 
     tokenizer: WordTokenizer
@@ -134,12 +146,15 @@ class VLMCollator:
     answer_eos: bool = True
     position_variant: Any = None
     position_options: dict[str, Any] = field(default_factory=dict)
+    packing: bool = False
 
     def __post_init__(self) -> None:
         for name in ("patch_size", "temporal_patch_size", "merge_size"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"{name} must be a positive integer, got {v!r}")
+        if not isinstance(self.packing, bool):
+            raise ValueError(f"packing must be True or False, got {self.packing!r}")
         if self.padding_side not in ("right", "left"):
             raise ValueError(f"padding_side must be 'right' or 'left', got {self.padding_side!r}")
         if len(self.image_mean) != 3 or len(self.image_std) != 3 or min(self.image_std) <= 0:
@@ -239,6 +254,13 @@ class VLMCollator:
         spgs: list[float] = []
         grid_times: list[Tensor] = []
         rows = [self._encode(s, pixel_chunks, grids, types, spgs, grid_times) for s in samples]
+        groups = self._groups([len(r[0]) for r in rows]) if self.packing else [[k] for k in range(len(rows))]
+        if self.packing:  # concatenate the samples of every row; no sample's first token is predicted
+            lengths = [[len(rows[k][0]) for k in g] for g in groups]
+            for r in rows:
+                if r[2]:
+                    r[2][0] = IGNORE_INDEX
+            rows = [tuple(sum((rows[k][f] for k in g), []) for f in range(3)) for g in groups]
         B, S = len(rows), max(len(r[0]) for r in rows)
         input_ids = torch.full((B, S), self.tokenizer.pad_id, dtype=torch.long)
         mm_types = torch.zeros((B, S), dtype=torch.long)
@@ -267,6 +289,14 @@ class VLMCollator:
             "second_per_grid_ts": torch.tensor(spgs, dtype=torch.float32),
             "video_grid_timestamps": torch.cat(grid_times).float() if grid_times else torch.zeros(0),
         }
+        cu = None
+        if self.packing:  # per row: the samples' lengths, the padding counted in the last (first) sample
+            edge = -1 if self.padding_side == "right" else 0
+            for row in lengths:
+                row[edge] += S - sum(row)
+            flat = [n for row in lengths for n in row]
+            cu = torch.tensor([0, *np.cumsum(flat).tolist()], dtype=torch.int32)  # (n + 1,) over B * S tokens
+            batch["cu_seqlens"] = cu
         if self.position_variant is not None:
             from vlpe.encodings import multimodal as mm
 
@@ -275,15 +305,33 @@ class VLMCollator:
                 options["second_per_grid_ts"] = batch["second_per_grid_ts"]
             ids, deltas = mm.position_ids(
                 self._variant, mm_types, grid_thw if len(grids) else None, attention_mask=attention,
-                spatial_merge_size=self.merge_size, **options,
+                spatial_merge_size=self.merge_size, cu_seqlens=cu, **options,
             )  # fmt: skip
             batch["position_ids"], batch["rope_deltas"] = ids, deltas
         return batch
 
+    def _groups(self, lengths: list[int]) -> list[list[int]]:
+        """Samples (by index, in order) of every packed row: a new row starts when the next sample would take
+        the row past ``max_length`` (one row without a limit)."""
+        groups: list[list[int]] = [[]]
+        used = 0
+        for k, n in enumerate(lengths):
+            if groups[-1] and self.max_length is not None and used + n > self.max_length:
+                groups.append([])
+                used = 0
+            groups[-1].append(k)
+            used += n
+        return groups
 
-def to_hf_inputs(batch: dict[str, Tensor]) -> dict[str, Tensor]:
+
+def to_hf_inputs(batch: dict[str, Tensor]) -> dict[str, Any]:
     """The batch as keyword arguments of ``transformers``' Qwen2-VL / Qwen2.5-VL models: ``pixel_values``
-    holds only image patches and ``pixel_values_videos`` only video patches (each in order of appearance)."""
+    holds only image patches and ``pixel_values_videos`` only video patches (each in order of appearance).
+
+    A packed batch (``cu_seqlens``) needs its ``position_ids``: they go first with the Hugging Face text row
+    restarting at every sample (:func:`vlpe.encodings.multimodal.text_position_ids`), and the ``attention_mask``
+    and the cache are left out (``use_cache=False``), so that the model builds a block-diagonal causal mask from
+    that row (every padding slot attends to itself only)."""
     grid, kinds = batch["grid_thw"], batch["grid_types"]
     sizes = (grid.prod(-1)).tolist()
     chunks = torch.split(batch["pixel_values"], sizes) if sizes else ()
@@ -297,4 +345,16 @@ def to_hf_inputs(batch: dict[str, Tensor]) -> dict[str, Tensor]:
         out["second_per_grid_ts"] = batch["second_per_grid_ts"]
     if "position_ids" in batch:
         out["position_ids"] = batch["position_ids"]
+    if "cu_seqlens" in batch:
+        from vlpe.encodings import multimodal as mm
+
+        if "position_ids" not in batch:
+            raise ValueError(
+                "a packed batch (cu_seqlens) needs its per-sample position_ids: collate with position_variant set"
+            )
+        ids = batch["position_ids"]
+        text = mm.text_position_ids(batch["attention_mask"], batch["attention_mask"], cu_seqlens=batch["cu_seqlens"])
+        out["position_ids"] = torch.cat([text[None].to(ids.dtype), ids])  # (1 + A, B, S)
+        del out["attention_mask"]
+        out["use_cache"] = False
     return out

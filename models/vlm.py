@@ -243,20 +243,17 @@ def _init_linear(m: nn.Module) -> None:
 # ----------------------------------------------------------------------------------------------------------------
 
 
-def pack_position_ids(ids: Tensor, attention_mask: Tensor | None, *, masked: bool) -> Tensor:
-    """``(1 + A [+ 1], B, S)``: the Hugging Face 1D text row (real-token count - 1, 0 on padding), the design's
-    ``ids (A, B, S)`` and, for designs with their own attention mask (PyPE, ``masked``), the real-token mask;
-    the tensor a model patched by :func:`vlpe.integrations.transformers.apply` takes as ``position_ids``."""
-    A, B, S = ids.shape
-    if attention_mask is None:
-        text = torch.arange(S, device=ids.device).expand(B, S)
-        valid = torch.ones(B, S, dtype=torch.bool, device=ids.device)
-    else:
-        text = (attention_mask.long().cumsum(-1) - 1).masked_fill(attention_mask == 0, 0)
-        valid = attention_mask != 0
-    dtype = ids.dtype if ids.is_floating_point() else torch.long
-    parts = [text[None], ids] + ([valid[None]] if masked else [])
-    return torch.cat([p.to(dtype) for p in parts], dim=0)
+def pack_position_ids(
+    ids: Tensor, attention_mask: Tensor | None, *, masked: bool, cu_seqlens: Tensor | None = None
+) -> Tensor:
+    """``(1 + A [+ 1], B, S)``: the Hugging Face 1D text row (every real token's index in its sample, 0 on
+    padding), the design's ``ids (A, B, S)`` and, for designs with their own attention mask (PyPE, ``masked``),
+    the sample label of every token (0 padding); the tensor a model patched by
+    :func:`vlpe.integrations.transformers.apply` takes as ``position_ids``. With ``cu_seqlens`` (a packed batch)
+    the text row restarts at every sample (:func:`vlpe.integrations.transformers.pack_position_ids`)."""
+    from vlpe.integrations import transformers as vlpe_hf
+
+    return vlpe_hf.pack_position_ids(ids, attention_mask, masked=masked, cu_seqlens=cu_seqlens)
 
 
 @dataclass
@@ -266,7 +263,10 @@ class VLMCollate:
     Runs :class:`data.vlm_collate.VLMCollator` with the model's patching and the decoder's position variant,
     splits the pixels by modality (:func:`data.vlm_collate.to_hf_inputs`) and packs the position ids
     (:func:`pack_position_ids`). ``with_positions=False`` leaves them out; ``prompt_only=True`` drops the
-    ``answer`` segments (prompts for ``generate()``, best with ``padding_side="left"``).
+    ``answer`` segments (prompts for ``generate()``, best with ``padding_side="left"``). ``packing=True`` packs the
+    samples into rows of at most ``max_length`` tokens (:class:`data.vlm_collate.VLMCollator`): every sample keeps
+    its own positions and labels, and the decoder attends within each sample only (no ``attention_mask``, a text
+    row restarting at every sample).
     """
 
     tokenizer: Any
@@ -280,6 +280,7 @@ class VLMCollate:
     with_positions: bool = True
     prompt_only: bool = False
     max_length: int | None = None
+    packing: bool = False
 
     def __post_init__(self) -> None:
         from data.vlm_collate import VLMCollator
@@ -288,8 +289,10 @@ class VLMCollate:
             self.tokenizer, patch_size=self.patch_size, temporal_patch_size=self.temporal_patch_size,
             merge_size=self.merge_size, padding_side=self.padding_side, max_length=self.max_length,
             position_variant=self.variant if self.with_positions else None,
-            position_options=dict(self.position_options),
+            position_options=dict(self.position_options), packing=self.packing,
         )  # fmt: skip
+        if self.packing and not self.with_positions:
+            raise ValueError("packing needs the collator's per-sample position ids: leave with_positions=True")
 
     def __getstate__(self) -> dict:
         return {k: v for k, v in self.__dict__.items() if k != "_collator"}
@@ -308,7 +311,9 @@ class VLMCollate:
         batch = self._collator(samples)
         out = to_hf_inputs(batch)
         if self.with_positions:
-            out["position_ids"] = pack_position_ids(batch["position_ids"], batch["attention_mask"], masked=self.masked)
+            out["position_ids"] = pack_position_ids(
+                batch["position_ids"], batch["attention_mask"], masked=self.masked, cu_seqlens=batch.get("cu_seqlens")
+            )
         return out
 
 
@@ -453,7 +458,7 @@ class VLM(nn.Module):
         """
         inputs = {k: v for k, v in batch.items() if k != "second_per_grid_ts"}
         with self._video_timing(batch):
-            out = self.hf(**inputs, use_cache=False)
+            out = self.hf(**{**inputs, "use_cache": False})
         result = {"logits": out.logits}
         if out.loss is not None:
             result["loss"] = out.loss

@@ -107,6 +107,25 @@ def test_collator_positions_equal_the_patched_model(variant, tok, samples):
     torch.testing.assert_close(given, own, rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_packed_batch_equals_every_sample_alone(variant, tok, samples):
+    """Training on packed rows (collator(packing=True)): every sample's logits equal those of the sample alone,
+    and the loss equals the loss of the unpacked batch."""
+    model = model_for(variant, tok)
+    one = [model.collator()([x]) for x in samples]
+    lengths = [b["input_ids"].shape[1] for b in one]
+    packed = model.collator(packing=True, max_length=lengths[0] + lengths[1] + lengths[2])(samples)
+    assert packed["input_ids"].shape[0] == 2 and "attention_mask" not in packed  # rows [0, 1, 2] and [3]
+    with torch.no_grad():
+        out = model(packed)
+        flat = out["logits"].reshape(-1, out["logits"].shape[-1])
+        starts = [0, lengths[0], lengths[0] + lengths[1], packed["input_ids"].shape[1]]  # flat row-major offsets
+        for k, b in enumerate(one):
+            want = model(b)["logits"][0]
+            torch.testing.assert_close(flat[starts[k] : starts[k] + lengths[k]], want, atol=1e-4, rtol=0)
+        torch.testing.assert_close(out["loss"], model(model.collator()(samples))["loss"], atol=1e-5, rtol=0)
+
+
 def test_collator_pickles_for_worker_processes(tok, samples):
     import pickle
 

@@ -229,6 +229,119 @@ def test_a_tiny_transformers_qwen2vl_consumes_the_batch(tok):
         assert torch.isfinite(model(**to_hf_inputs(VLMCollator(tok, patch_size=P)(videos))).loss)
 
 
+# ---------------------------------------------------------------------------------------------- packing
+
+
+def _mixed_samples():
+    """Text-only, image, video and image + video samples of different lengths."""
+    return [
+        [("text", "what item ?"), ("image", rng_frames(20, 16, 8, 3)), ("answer", "coat")],
+        [("text", "what item is shown in red ?"), ("answer", "bag")],
+        [("video", rng_frames(21, 4, 16, 16, 3), [0.0, 0.5, 1.0, 1.5]), ("text", "what"), ("answer", "sneaker")],
+        [("image", rng_frames(22, 8, 8, 3)), ("text", "what item ?"), ("video", rng_frames(23, 2, 8, 16, 3), [0.0, 1.0]),
+         ("answer", "bag")],
+    ]  # fmt: skip
+
+
+@pytest.mark.parametrize("side", ["right", "left"])
+@pytest.mark.parametrize("variant", ["mrope", "qwen25vl", "vrope", "pype"])
+def test_packing_gives_every_sample_its_own_tokens_labels_and_positions(tok, side, variant):
+    samples = _mixed_samples()
+    opts = {"depth": 2} if variant == "pype" else {}
+    alone = [VLMCollator(tok, patch_size=P, position_variant=variant, position_options=opts)([x]) for x in samples]
+    lengths = [a["input_ids"].shape[1] for a in alone]
+    limit = max(lengths[0] + lengths[1], lengths[2] + lengths[3])
+    assert lengths[0] + lengths[1] + lengths[2] > limit  # the greedy rows are [0, 1] and [2, 3]
+    packed = VLMCollator(tok, patch_size=P, padding_side=side, max_length=limit, position_variant=variant,
+                         position_options=opts, packing=True)(samples)  # fmt: skip
+    B, S = packed["input_ids"].shape
+    assert B == 2 and S == max(lengths[0] + lengths[1], lengths[2] + lengths[3])
+    # cu_seqlens over the flattened batch: the samples in order, each row's padding in its last (first) sample
+    bounds = [0]
+    for row in ([0, 1], [2, 3]):
+        n = [lengths[i] for i in row]
+        n[-1 if side == "right" else 0] += S - sum(n)
+        for m in n:
+            bounds.append(bounds[-1] + m)
+    assert packed["cu_seqlens"].tolist() == bounds and packed["cu_seqlens"].dtype == torch.int32
+    assert packed["rope_deltas"].shape[0] == 4
+    for k, a in enumerate(alone):
+        b, n = k // 2, lengths[k]
+        row_start = 0 if side == "right" else S - (lengths[2 * b] + lengths[2 * b + 1])
+        start = row_start + (lengths[2 * b] if k % 2 else 0)
+        sl = slice(start, start + n)
+        for key in ("input_ids", "mm_token_type_ids", "attention_mask"):
+            assert torch.equal(packed[key][b, sl], a[key][0]), (key, k)
+        want_labels = a["labels"][0].clone()
+        want_labels[0] = -100  # nothing in the sample predicts its first token
+        assert torch.equal(packed["labels"][b, sl], want_labels)
+        assert torch.equal(packed["position_ids"][:, b, sl], a["position_ids"][:, 0]), k
+        assert torch.equal(packed["rope_deltas"][k], a["rope_deltas"][0]), k
+    pad = packed["attention_mask"] == 0
+    assert (packed["input_ids"][pad] == tok.pad_id).all() and (packed["labels"][pad] == -100).all()
+    for key in ("pixel_values", "grid_thw", "grid_types", "second_per_grid_ts", "video_grid_timestamps"):
+        assert torch.equal(packed[key], torch.cat([a[key] for a in alone])), key
+
+
+def test_packing_rows_and_hf_inputs(tok):
+    samples = _mixed_samples()
+    lengths = [VLMCollator(tok, patch_size=P)([x])["input_ids"].shape[1] for x in samples]
+    one_row = VLMCollator(tok, patch_size=P, packing=True, position_variant="mrope")(samples)
+    assert one_row["input_ids"].shape == (1, sum(lengths)) and one_row["attention_mask"].all()
+    per_sample = VLMCollator(tok, patch_size=P, packing=True, max_length=max(lengths))(samples)
+    assert per_sample["input_ids"].shape[0] == 4  # no two samples fit into one row
+    hf = to_hf_inputs(one_row)
+    assert "attention_mask" not in hf and hf["use_cache"] is False
+    cu = one_row["cu_seqlens"].tolist()
+    text = hf["position_ids"][0, 0]
+    assert text.tolist() == sum((list(range(b - a)) for a, b in zip(cu, cu[1:])), [])  # restarts at every sample
+    assert torch.equal(hf["position_ids"][1:], one_row["position_ids"])
+    with pytest.raises(ValueError, match="needs its per-sample position_ids"):
+        to_hf_inputs(VLMCollator(tok, patch_size=P, packing=True)(samples))
+    with pytest.raises(ValueError, match="packing must be True or False"):
+        VLMCollator(tok, packing="yes")
+
+
+def test_a_tiny_transformers_qwen2vl_on_a_packed_batch(tok):
+    """The stock transformers model (its own mrope rotary) on a packed batch: every sample's logits and the loss
+    equal those of the samples collated one by one."""
+    from transformers import Qwen2VLConfig, Qwen2VLForConditionalGeneration
+
+    torch.manual_seed(0)
+    cfg = Qwen2VLConfig(
+        text_config=dict(
+            hidden_size=32, intermediate_size=37, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+            vocab_size=tok.vocab_size, initializer_range=0.2,
+            rope_parameters={"rope_type": "default", "mrope_section": [2, 1, 1], "rope_theta": 1e4},
+            bos_token_id=tok.bos_id, eos_token_id=tok.eos_id, pad_token_id=tok.pad_id,
+        ),
+        vision_config=dict(depth=1, embed_dim=32, hidden_size=32, num_heads=4, patch_size=P, spatial_merge_size=2,
+                           temporal_patch_size=2),
+        image_token_id=tok.image_token_id, video_token_id=tok.video_token_id, vision_start_token_id=tok.vision_start_id,
+    )  # fmt: skip
+    model = Qwen2VLForConditionalGeneration(cfg).eval()
+    samples = _mixed_samples()
+    collate = dict(patch_size=P, position_variant="mrope")
+    lengths = [VLMCollator(tok, patch_size=P)([x])["input_ids"].shape[1] for x in samples]
+    packed = VLMCollator(tok, **collate, packing=True, max_length=lengths[0] + lengths[1])(samples)
+    with torch.no_grad():
+        out = model(**to_hf_inputs(packed))
+        cu = packed["cu_seqlens"].tolist()
+        S = packed["input_ids"].shape[1]
+        flat = out.logits.reshape(-1, out.logits.shape[-1])
+        for k, x in enumerate(samples):
+            one = model(**to_hf_inputs(VLMCollator(tok, **collate)([x]))).logits[0]
+            torch.testing.assert_close(flat[cu[k] : cu[k] + one.shape[0]], one, atol=1e-5, rtol=0)
+        unpacked = model(**to_hf_inputs(VLMCollator(tok, **collate)(samples)))
+        torch.testing.assert_close(out.loss, unpacked.loss, atol=1e-5, rtol=0)
+        # control: the same packed row with one text row for the whole row (no restarts) mixes the samples
+        hf = to_hf_inputs(packed)
+        hf["position_ids"] = hf["position_ids"].clone()
+        hf["position_ids"][0] = torch.arange(S)
+        mixed = model(**hf).logits
+        assert (mixed - out.logits).abs().max() > 1e-3
+
+
 # ------------------------------------------------------------------------------------- workers, errors
 
 

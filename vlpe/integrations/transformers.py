@@ -67,7 +67,7 @@ from vlpe.encodings import multimodal as mm
 from vlpe.encodings.functional.rope import inv_freq as inv_freq_of
 from vlpe.encodings.functional.scaling import parse_scaling, scale_frequencies
 
-__all__ = ["Patch", "MultimodalRotary", "apply", "remove", "patch_of", "position_ids"]
+__all__ = ["Patch", "MultimodalRotary", "apply", "remove", "patch_of", "position_ids", "pack_position_ids"]
 
 _MASK_BASES = ("sdpa", "eager")
 _ROTARY_KEYS = ("allocation", "section", "theta", "scaling")
@@ -289,9 +289,7 @@ class Patch:
         """``(1 + rows, B, S)``: the Hugging Face 1D text row (packing, FA2), the design's ids, and for masked
         designs the sample label of every token (0 padding; 1, or the packed sample's number + 1). Float when the
         ids are."""
-        parts = [text_pos[None], ids] + ([valid[None]] if self.masked else [])
-        dtype = ids.dtype if ids.is_floating_point() else torch.long
-        return torch.cat([p.to(device=ids.device, dtype=dtype) for p in parts], dim=0)
+        return _stack(text_pos, ids, valid if self.masked else None)
 
     def unpack(self, position_ids: Tensor, batch: int) -> tuple[Tensor, Tensor | None]:
         """``(ids (A, B, S), sample labels (B, S) or None)`` from whatever reaches the rotary module."""
@@ -362,13 +360,7 @@ class Patch:
         ids, deltas = mm.position_ids(
             self.variant, types, grid, attention_mask, self.spatial_merge_size, cu_seqlens=cu_seqlens, **options
         )
-        text_pos = mm.text_position_ids(types, attention_mask, cu_seqlens=cu_seqlens)  # (B, S)
-        valid = torch.ones(B, S, dtype=torch.long, device=types.device)
-        if attention_mask is not None:
-            valid = valid * (attention_mask != 0).to(device=types.device)
-        if cu_seqlens is not None:  # the sample label: samples never attend to each other (PyPE's mask)
-            valid = valid * (mm.packed_samples(cu_seqlens, B, S, device=types.device).index + 1)
-        return self.pack(text_pos, ids, valid), deltas
+        return pack_position_ids(ids, attention_mask, masked=self.masked, cu_seqlens=cu_seqlens), deltas
 
     @property
     def _design_defaults(self) -> dict[str, Any]:
@@ -791,6 +783,35 @@ def remove(model: nn.Module) -> nn.Module:
         raise ValueError(f"{type(model).__name__} carries no vlpe patch (vlpe.integrations.transformers.apply)")
     patch.remove()
     return model
+
+
+def pack_position_ids(
+    ids: Tensor, attention_mask: Tensor | None = None, *, masked: bool, cu_seqlens=None
+) -> Tensor:
+    """The position tensor a patched model takes, from a design's ids ``(A, B, S)`` (e.g. computed in a collator
+    with :func:`vlpe.encodings.multimodal.position_ids`): ``(1 + A [+ 1], B, S)``.
+
+    Rows: the Hugging Face 1D text row (every real token's index in its sample, 0 on padding; restarting at every
+    sample with ``cu_seqlens``), the ids, and for designs with their own attention mask (PyPE, ``masked``) the
+    sample label of every token (0 padding, else 1, or the packed sample's number + 1). Float when the ids are.
+    """
+    A, B, S = ids.shape
+    text = mm.text_position_ids((B, S), attention_mask, cu_seqlens=cu_seqlens, device=ids.device)  # (B, S)
+    label = None
+    if masked:
+        label = torch.ones(B, S, dtype=torch.long, device=ids.device)
+        if attention_mask is not None:
+            label = label * (attention_mask != 0).to(device=ids.device)
+        if cu_seqlens is not None:  # packed samples never attend to each other (the layer masks)
+            label = label * (mm.packed_samples(cu_seqlens, B, S, device=ids.device).index + 1)
+    return _stack(text, ids, label)
+
+
+def _stack(text: Tensor, ids: Tensor, label: Tensor | None) -> Tensor:
+    """``(1 + A [+ 1], B, S)``: text row, ids, label row (if any), in the ids' dtype when float, else int64."""
+    parts = [text[None], ids] + ([label[None]] if label is not None else [])
+    dtype = ids.dtype if ids.is_floating_point() else torch.long
+    return torch.cat([p.to(device=ids.device, dtype=dtype) for p in parts], dim=0)
 
 
 def position_ids(
