@@ -193,21 +193,29 @@ def test_position_ids_follow_the_released_qwen2vl_layout(tok):
         VLMCollator(tok, patch_size=P, position_variant="mrope_x")
 
 
-def test_a_tiny_transformers_qwen2vl_consumes_the_batch(tok):
+def tiny_qwen2vl(tok, **text):
+    """A randomly initialised stock transformers Qwen2-VL for the tokenizer (``text``: text-config overrides)."""
     from transformers import Qwen2VLConfig, Qwen2VLForConditionalGeneration
 
     cfg = Qwen2VLConfig(
-        text_config=dict(
-            hidden_size=32, intermediate_size=37, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
-            vocab_size=tok.vocab_size,
-            rope_parameters={"rope_type": "default", "mrope_section": [2, 1, 1], "rope_theta": 1e4},
-            bos_token_id=tok.bos_id, eos_token_id=tok.eos_id, pad_token_id=tok.pad_id,
-        ),
+        text_config={
+            **dict(
+                hidden_size=32, intermediate_size=37, num_hidden_layers=1, num_attention_heads=4,
+                num_key_value_heads=2, vocab_size=tok.vocab_size,
+                rope_parameters={"rope_type": "default", "mrope_section": [2, 1, 1], "rope_theta": 1e4},
+                bos_token_id=tok.bos_id, eos_token_id=tok.eos_id, pad_token_id=tok.pad_id,
+            ),
+            **text,
+        },
         vision_config=dict(depth=1, embed_dim=32, hidden_size=32, num_heads=4, patch_size=P, spatial_merge_size=2,
                            temporal_patch_size=2),
         image_token_id=tok.image_token_id, video_token_id=tok.video_token_id, vision_start_token_id=tok.vision_start_id,
     )  # fmt: skip
-    model = Qwen2VLForConditionalGeneration(cfg).eval()
+    return Qwen2VLForConditionalGeneration(cfg).eval()
+
+
+def test_a_tiny_transformers_qwen2vl_consumes_the_batch(tok):
+    model = tiny_qwen2vl(tok)
     images = [
         [("text", "what item ?"), ("image", rng_frames(9, 16, 24, 3)), ("answer", "coat")],
         [("image", rng_frames(10, 8, 8, 3)), ("text", "what"), ("image", rng_frames(11, 16, 8, 3)), ("answer", "bag")],
@@ -305,21 +313,8 @@ def test_packing_rows_and_hf_inputs(tok):
 def test_a_tiny_transformers_qwen2vl_on_a_packed_batch(tok):
     """The stock transformers model (its own mrope rotary) on a packed batch: every sample's logits and the loss
     equal those of the samples collated one by one."""
-    from transformers import Qwen2VLConfig, Qwen2VLForConditionalGeneration
-
     torch.manual_seed(0)
-    cfg = Qwen2VLConfig(
-        text_config=dict(
-            hidden_size=32, intermediate_size=37, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-            vocab_size=tok.vocab_size, initializer_range=0.2,
-            rope_parameters={"rope_type": "default", "mrope_section": [2, 1, 1], "rope_theta": 1e4},
-            bos_token_id=tok.bos_id, eos_token_id=tok.eos_id, pad_token_id=tok.pad_id,
-        ),
-        vision_config=dict(depth=1, embed_dim=32, hidden_size=32, num_heads=4, patch_size=P, spatial_merge_size=2,
-                           temporal_patch_size=2),
-        image_token_id=tok.image_token_id, video_token_id=tok.video_token_id, vision_start_token_id=tok.vision_start_id,
-    )  # fmt: skip
-    model = Qwen2VLForConditionalGeneration(cfg).eval()
+    model = tiny_qwen2vl(tok, num_hidden_layers=2, initializer_range=0.2)
     samples = _mixed_samples()
     collate = dict(patch_size=P, position_variant="mrope")
     lengths = [VLMCollator(tok, patch_size=P)([x])["input_ids"].shape[1] for x in samples]
