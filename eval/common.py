@@ -3,8 +3,9 @@
 A training run (``train/vit.py``, ``train/points.py``) leaves ``<run>/model.safetensors`` (the state dict of a
 ``train.tasks.Classifier``, keys prefixed ``backbone.``) and ``<run>/config.yaml`` (the full run config plus
 ``num_classes`` and ``script``). :func:`load_run` rebuilds the backbone from the config and loads the weights
-with ``safetensors`` (no pickles are ever unpickled); the config is read with ``yaml.safe_load`` and validated
-by ``train.config.from_dict``.
+with ``safetensors`` (no pickles are ever unpickled); the config is read with ``yaml.safe_load``, validated
+by ``train.config.from_dict`` and compared with the model signature the export records in its metadata (an
+edited config is refused, naming the recorded and the current value).
 
 Calibration is the expected calibration error of Guo et al. (ICML 2017) with 15 equal-width confidence bins
 ``(b/15, (b+1)/15]`` (the first bin also holds confidence 0): ``ECE = sum_b |B_b|/n * |acc(B_b) - conf(B_b)|``
@@ -65,6 +66,7 @@ def load_run(run_dir: str | Path, *, script: str, device: str | torch.device = "
     import yaml
     from safetensors.torch import load_file
 
+    from train.checkpoint import check_export
     from train.config import from_dict
     from train.tasks import Classifier
 
@@ -80,6 +82,7 @@ def load_run(run_dir: str | Path, *, script: str, device: str | torch.device = "
     if not isinstance(raw, dict):
         raise ValueError(f"{cfg_path} must be a mapping of config sections, got {type(raw).__name__}")
     raw = dict(raw)
+    signed = dict(raw)
     found = raw.pop("script", None)
     num_classes = raw.pop("num_classes", None)
     if found != script:
@@ -88,6 +91,7 @@ def load_run(run_dir: str | Path, *, script: str, device: str | torch.device = "
         )
     if isinstance(num_classes, bool) or not isinstance(num_classes, int) or num_classes < 1:
         raise ValueError(f"{cfg_path} must record a positive integer num_classes, got {num_classes!r}")
+    check_export(weights, signed, config_path=cfg_path)  # the exported model's own record of its config
     config_cls, build_model = _script_parts(script)
     cfg = from_dict(config_cls, raw, where=str(cfg_path))
     wrapper = Classifier(build_model(cfg, num_classes))

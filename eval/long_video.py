@@ -81,6 +81,7 @@ def load_vlm_run(run_dir: str | Path, *, device: str | torch.device = "cpu") -> 
     from safetensors.torch import load_file
 
     from data.text import WordTokenizer
+    from train.checkpoint import check_export
     from train.config import from_dict
     from train.vlm import VLMConfig, build_model
 
@@ -99,6 +100,7 @@ def load_vlm_run(run_dir: str | Path, *, device: str | torch.device = "cpu") -> 
         raise ValueError(
             f"{run_dir} was exported by train/{raw.get('script')}.py but this evaluation needs a train/vlm.py run"
         )
+    check_export(weights, raw, config_path=cfg_path)  # the exported model's own record of its config
     words = raw.get("tokenizer_words")
     if not isinstance(words, list) or not words:
         raise ValueError(f"{cfg_path} must record the tokenizer's word list (tokenizer_words)")

@@ -10,6 +10,7 @@ import argparse
 import sys
 from typing import Sequence, TypeVar
 
+from .checkpoint import CheckpointError
 from .config import ConfigError, load_config, to_dict
 
 __all__ = ["parse", "main_guard"]
@@ -33,9 +34,13 @@ def parse(cls: type[T], argv: Sequence[str] | None = None, *, description: str =
 
 
 def main_guard(main) -> None:
-    """Run ``main()``, turning config mistakes into a one-paragraph error instead of a traceback."""
+    """Run ``main()``, turning config mistakes and unusable checkpoints into a one-paragraph error instead
+    of a traceback."""
     try:
         main()
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)
+        sys.exit(2)
+    except CheckpointError as e:
+        print(f"checkpoint error: {e}", file=sys.stderr)
         sys.exit(2)

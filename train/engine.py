@@ -7,11 +7,20 @@ here). gloo on CPU, NCCL on GPU. The pieces:
 * :class:`TrainSection`: the ``train:`` section of every config (steps, batch, optimiser, precision,
   ZeRO stage, validation/checkpoint cadence, resume);
 * :func:`deepspeed_config`: the DeepSpeed config dict from that section plus the YAML ``deepspeed:``
-  overrides, with the batch-size identity checked up front and explained in one line;
+  overrides, with the batch-size identity checked up front and explained in one line, and every key checked
+  against what the installed DeepSpeed reads (a typo is an error with a suggestion);
 * :class:`ResumableBatchSampler` + :class:`SeededDataset`: the data order and every sample's augmentation
   are functions of (seed, step), so a resumed run sees exactly the batches an uninterrupted run would;
 * :func:`fit`: the loop, with JSON-lines metrics, tqdm on rank 0, validation every N steps, checkpoints
-  every N steps (model, optimizer, scheduler, data position, RNG) and a safetensors export at the end.
+  every N steps (model, optimizer, scheduler, data position, RNG, the model signature) and a safetensors
+  export at the end (the model signature in its metadata).
+
+Resuming (``train.resume=auto`` or a checkpoint directory) loads through :class:`train.checkpoint.
+SafeCheckpointEngine` (``weights_only=True``: a checkpoint never unpickles arbitrary objects), refuses a
+checkpoint whose model signature differs from the config's (the message names both values) or whose step is
+beyond ``train.steps``, and with ``auto`` skips a damaged newest checkpoint (a truncated file, a missing RNG
+state) for the previous complete one, with a warning. ``metrics.jsonl`` is cut back to the resumed step, so
+every step is logged once.
 
 Precision: ``bf16`` uses DeepSpeed's ``torch_autocast`` mode, so parameters (learned frequencies
 included) stay fp32 and encodings compute angles in fp32 (see the DeepSpeed notes on bf16 parameter casts).
@@ -23,6 +32,7 @@ import json
 import math
 import os
 import random
+import re
 import socket
 import time
 from dataclasses import dataclass, field
@@ -35,8 +45,22 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils.data import DataLoader, Dataset, Sampler
 
-from .checkpoint import MARKER, latest_complete, load_rng, save_rng, step_of, tag_for
-from .config import ConfigError
+from .checkpoint import (
+    MARKER,
+    METADATA_KEY,
+    SIGNATURE,
+    CheckpointError,
+    SafeCheckpointEngine,
+    check_signature,
+    checkpoint_problem,
+    complete_tags,
+    load_rng,
+    model_signature,
+    save_rng,
+    step_of,
+    tag_for,
+)
+from .config import ConfigError, _suggest
 
 __all__ = [
     "TrainSection",
@@ -48,6 +72,7 @@ __all__ = [
     "move_to",
     "export_weights",
     "seed_everything",
+    "check_out_dir",
 ]
 
 
@@ -77,9 +102,11 @@ class TrainSection:
     progress: bool = True
 
     def __post_init__(self) -> None:
-        for name in ("steps", "micro_batch", "grad_accum", "val_every", "ckpt_every", "log_every"):
+        for name in ("steps", "micro_batch", "grad_accum", "val_every", "val_batches", "ckpt_every", "log_every"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"train.{name} must be >= 1, got {getattr(self, name)}")
+        if not self.out_dir.strip():
+            raise ConfigError("train.out_dir must name a directory for the run's outputs, got an empty string")
         if self.zero_stage not in (0, 1, 2, 3):
             raise ConfigError(f"train.zero_stage must be 0, 1, 2 or 3, got {self.zero_stage}")
 
@@ -127,6 +154,7 @@ def deepspeed_config(train: TrainSection, overrides: dict, *, world: int, device
     if precision == "bf16":
         cfg["torch_autocast"] = {"enabled": True, "dtype": "torch.bfloat16"}
     cfg = _deep_merge(cfg, overrides or {})
+    _check_deepspeed_keys(cfg, overrides or {}, world=world)
     micro, acc, total = (
         cfg["train_micro_batch_size_per_gpu"],
         cfg["gradient_accumulation_steps"],
@@ -139,6 +167,74 @@ def deepspeed_config(train: TrainSection, overrides: dict, *, world: int, device
             f"{micro * acc * world}"
         )
     return cfg
+
+
+#: top-level keys DeepSpeed reads outside ``DeepSpeedConfig._initialize_params`` (engine features, launchers)
+_DEEPSPEED_READ_ELSEWHERE = frozenset(
+    {
+        "amp", "compression_training", "curriculum_learning", "eigenvalue", "elasticity", "graph_harvesting",
+        "load_universal_checkpoint", "nebula", "quantize_training", "sequence_parallel_size", "sparse_attention",
+        "use_node_local_storage",
+    }
+)  # fmt: skip
+
+
+def _check_deepspeed_keys(cfg: dict, overrides: dict, *, world: int) -> None:
+    """``ConfigError`` for a ``deepspeed:`` key the installed DeepSpeed does not read, or a nested value its
+    config models reject (their pydantic errors, said in one paragraph).
+
+    The known keys are those DeepSpeed's own parser looks up (recorded while it parses ``cfg``) plus
+    :data:`_DEEPSPEED_READ_ELSEWHERE`, so the check follows the installed version.
+    """
+    from deepspeed.runtime.config import DeepSpeedConfig
+
+    seen: set[str] = set()
+
+    class _Recording(dict):
+        def __getitem__(self, key):
+            seen.add(key)
+            return super().__getitem__(key)
+
+        def get(self, key, default=None):
+            seen.add(key)
+            return super().get(key, default)
+
+        def __contains__(self, key):
+            seen.add(key)
+            return super().__contains__(key)
+
+        def __copy__(self):
+            return self
+
+    probe = DeepSpeedConfig.__new__(DeepSpeedConfig)
+    probe._param_dict, probe.global_rank, probe.world_size = _Recording(cfg), 0, world
+    try:
+        probe._initialize_params(probe._param_dict)
+    except Exception as e:  # noqa: BLE001 - DeepSpeed's config models raise pydantic / assertion errors
+        if type(e).__name__ != "ValidationError":
+            return  # not a schema error: DeepSpeed itself reports it when the engine starts
+        lines = [ln.strip() for ln in str(e).splitlines() if ln.strip() and not ln.strip().startswith("For further")]
+        raise ConfigError(f"deepspeed: {' | '.join(lines)}") from None
+    known = seen | _DEEPSPEED_READ_ELSEWHERE
+    unknown = [k for k in overrides if k not in known]
+    if unknown:
+        k = unknown[0]
+        raise ConfigError(
+            f"deepspeed: unknown key {k!r}{_suggest(k, sorted(known))}; the installed DeepSpeed reads: "
+            f"{', '.join(sorted(known))}"
+        )
+
+
+def check_out_dir(out_dir: str | Path) -> Path:
+    """``out_dir`` as a Path; ``ConfigError`` when it, or a folder above it, exists as a file."""
+    out = Path(out_dir)
+    for p in (out, *out.parents):
+        if p.exists():
+            if not p.is_dir():
+                what = "is a file" if p == out else f"lies under {p}, which is a file"
+                raise ConfigError(f"train.out_dir={str(out)!r} {what}; choose a directory path")
+            break
+    return out
 
 
 def _deep_merge(a: dict, b: dict) -> dict:
@@ -271,8 +367,9 @@ def cosine_schedule(train: TrainSection) -> Callable[[int], float]:
 
 
 # --------------------------------------------------------------------------- export
-def export_weights(module: nn.Module, path: Path, *, zero_stage: int) -> None:
-    """Full fp32 weights to ``path`` (safetensors) on rank 0; gathers ZeRO-3 partitions first."""
+def export_weights(module: nn.Module, path: Path, *, zero_stage: int, metadata: dict[str, str] | None = None) -> None:
+    """Full fp32 weights to ``path`` (safetensors, with string ``metadata``) on rank 0; gathers ZeRO-3
+    partitions first."""
     from safetensors.torch import save_file
 
     if zero_stage == 3:
@@ -285,7 +382,7 @@ def export_weights(module: nn.Module, path: Path, *, zero_stage: int) -> None:
     if not dist.is_initialized() or dist.get_rank() == 0:
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(".tmp")
-        save_file({k: v.contiguous() for k, v in state.items()}, str(tmp))
+        save_file({k: v.contiguous() for k, v in state.items()}, str(tmp), metadata=metadata)
         tmp.replace(path)
 
 
@@ -316,9 +413,10 @@ def fit(
     import deepspeed
     import yaml
 
+    out_dir = check_out_dir(train.out_dir)
     rank, world, device = setup_distributed()
-    out_dir = Path(train.out_dir)
     ckpt_dir = out_dir / "checkpoints"
+    signature = model_signature(run_config)
     seed_everything(train.seed + 1)  # the training stream (dropout, drop-path) after the model's init
 
     optimizer = torch.optim.AdamW(param_groups(model, train.weight_decay), lr=train.lr, betas=(0.9, 0.999))
@@ -327,26 +425,27 @@ def fit(
     engine, _, _, _ = deepspeed.initialize(
         model=model, optimizer=optimizer, lr_scheduler=scheduler, config=ds_cfg, dist_init_required=False
     )
+    engine.checkpoint_engine = SafeCheckpointEngine(engine.checkpoint_engine)  # weights_only=True loads
 
     start = 0
-    tag = None
-    if train.resume == "auto":
-        tag = latest_complete(ckpt_dir)
-    elif train.resume not in ("none", ""):
-        p = Path(train.resume)
-        if not (p / MARKER).is_file():
-            raise ConfigError(f"train.resume={train.resume!r} is not a complete checkpoint directory")
-        ckpt_dir, tag = p.parent, p.name
-    if tag is not None:
-        _, client = engine.load_checkpoint(str(ckpt_dir), tag=tag, load_optimizer_states=True, load_lr_scheduler_states=True)
+    found = _resume_checkpoint(train, ckpt_dir, world=world, rank=rank, signature=signature)
+    if found is not None:
+        ckpt_dir, tag = found.parent, found.name
+        loaded, client = engine.load_checkpoint(
+            str(ckpt_dir), tag=tag, load_optimizer_states=True, load_lr_scheduler_states=True
+        )
+        if loaded is None or not isinstance(client, dict) or "step" not in client:
+            raise CheckpointError(f"DeepSpeed could not load {found} (see its log above); resume from another checkpoint")
         start = int(client["step"])
-        load_rng(ckpt_dir / tag / f"rng_rank{rank}.pt")
+        load_rng(found / f"rng_rank{rank}.pt")
         if rank == 0:
-            print(f"[train] resumed from {ckpt_dir / tag} at step {start}", flush=True)
+            print(f"[train] resumed from {found} at step {start}", flush=True)
 
+    metrics_path = out_dir / "metrics.jsonl"
     if rank == 0:
         out_dir.mkdir(parents=True, exist_ok=True)
         (out_dir / "config.yaml").write_text(yaml.safe_dump(run_config, sort_keys=False))
+        _truncate_metrics(metrics_path, start)
     sampler = ResumableBatchSampler(
         len(train_set),  # type: ignore[arg-type]
         micro_batch=train.micro_batch,
@@ -365,7 +464,6 @@ def fit(
         # its own generator: creating the iterator must not draw from the global RNG (resume exactness)
         generator=torch.Generator().manual_seed(train.seed),
     )
-    metrics_path = out_dir / "metrics.jsonl"
     result = FitResult(step=start, out_dir=out_dir)
     bar = None
     if rank == 0 and train.progress:
@@ -415,17 +513,87 @@ def fit(
             if bar is not None:
                 bar.write(f"[val] step {step}: " + ", ".join(f"{k}={v:.4f}" for k, v in val.items()))
         if step % train.ckpt_every == 0 or step == train.steps:
-            save_checkpoint(engine, ckpt_dir, step, rank, keep=train.keep_checkpoints)
+            save_checkpoint(engine, ckpt_dir, step, rank, keep=train.keep_checkpoints, signature=signature)
     if bar is not None:
         bar.close()
-    export_weights(engine.module, out_dir / "model.safetensors", zero_stage=train.zero_stage)
+    export_weights(
+        engine.module, out_dir / "model.safetensors", zero_stage=train.zero_stage,
+        metadata={METADATA_KEY: json.dumps(signature, sort_keys=True)},
+    )  # fmt: skip
     dist.barrier()
     result.step = step
     return result
 
 
-def save_checkpoint(engine, ckpt_dir: Path, step: int, rank: int, *, keep: int) -> None:
-    """DeepSpeed checkpoint + RNG per rank, then the ``COMPLETE`` marker once every rank is done."""
+def _resume_checkpoint(train: TrainSection, ckpt_dir: Path, *, world: int, rank: int, signature: dict) -> Path | None:
+    """The checkpoint directory to resume from (None: start at step 0), checked before anything is loaded.
+
+    An explicit ``train.resume`` directory must be whole (:func:`train.checkpoint.checkpoint_problem`);
+    ``auto`` takes the newest whole complete checkpoint, warning about each damaged newer one it skips.
+    Either way the checkpoint's model signature must equal the config's and its step must not exceed
+    ``train.steps``.
+    """
+    import warnings
+
+    if train.resume in ("none", ""):
+        return None
+    if train.resume == "auto":
+        candidates, explicit = [ckpt_dir / t for t in complete_tags(ckpt_dir)], False
+    else:
+        p = Path(train.resume)
+        if not (p / MARKER).is_file() or not re.match(r"^step_\d{8}$", p.name):
+            raise ConfigError(
+                f"train.resume={train.resume!r} is not a complete checkpoint directory (<out_dir>/checkpoints/"
+                f"step_XXXXXXXX with a {MARKER} marker); use auto to pick the newest one"
+            )
+        candidates, explicit = [p], True
+    for path in candidates:
+        problem = checkpoint_problem(path, world=world)
+        if problem is not None:
+            if explicit:
+                raise CheckpointError(f"cannot resume from {path}: {problem}; resume from another checkpoint")
+            if rank == 0:
+                warnings.warn(f"skipping checkpoint {path}: {problem}", RuntimeWarning, stacklevel=2)
+            continue
+        recorded = path / SIGNATURE
+        if recorded.is_file():
+            fix = "resume with the recorded model settings, or start a new run (another train.out_dir)"
+            check_signature(json.loads(recorded.read_text()), signature, where=f"checkpoint {path}", fix=fix)
+        elif rank == 0:
+            warnings.warn(f"{path} records no model signature ({SIGNATURE}); the model is not checked", stacklevel=2)
+        step = step_of(path.name)
+        if step > train.steps:
+            raise ConfigError(
+                f"checkpoint {path} is at step {step} but train.steps={train.steps}: the run would export the "
+                f"later weights under the smaller step count; set train.steps >= {step}"
+            )
+        return path
+    if candidates:
+        raise CheckpointError(
+            f"every complete checkpoint under {ckpt_dir} is damaged (see the warnings); delete them to start over"
+        )
+    return None
+
+
+def _truncate_metrics(path: Path, step: int) -> None:
+    """Keep the records of ``path`` (JSON lines) up to ``step``: a resumed run logs the later steps again."""
+    if not path.is_file():
+        return
+    kept = []
+    for line in path.read_text().splitlines():
+        try:
+            rec = json.loads(line)
+        except json.JSONDecodeError:  # a line cut by the crash
+            continue
+        if isinstance(rec, dict) and isinstance(rec.get("step"), int) and rec["step"] <= step:
+            kept.append(line)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text("".join(f"{line}\n" for line in kept))
+    tmp.replace(path)
+
+
+def save_checkpoint(engine, ckpt_dir: Path, step: int, rank: int, *, keep: int, signature: dict | None = None) -> None:
+    """DeepSpeed checkpoint + RNG per rank (+ the model signature), then ``COMPLETE`` once every rank is done."""
     import shutil
 
     tag = tag_for(step)
@@ -433,6 +601,8 @@ def save_checkpoint(engine, ckpt_dir: Path, step: int, rank: int, *, keep: int) 
     save_rng(ckpt_dir / tag / f"rng_rank{rank}.pt")
     dist.barrier()
     if rank == 0:
+        if signature is not None:
+            (ckpt_dir / tag / SIGNATURE).write_text(json.dumps(signature, sort_keys=True, indent=1))
         (ckpt_dir / tag / MARKER).write_text(str(step))
         done = sorted((p for p in ckpt_dir.iterdir() if (p / MARKER).is_file()), key=lambda p: step_of(p.name))
         for old in done[:-keep] if keep > 0 else []:

@@ -9,7 +9,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-__all__ = ["Classifier", "evaluate_classification", "shard", "val_loader"]
+__all__ = ["Classifier", "evaluate_classification", "shard", "val_loader", "reduce_accuracy"]
 
 
 class Classifier(nn.Module):
@@ -63,8 +63,17 @@ def evaluate_classification(
         loss_sum += F.cross_entropy(logits.float(), labels, reduction="sum").double().cpu()
         correct += (logits.argmax(-1) == labels).sum().double().cpu()
         total += labels.numel()
-    stats = torch.stack([correct, total, loss_sum])
+    return reduce_accuracy(torch.stack([correct, total, loss_sum]))
+
+
+def reduce_accuracy(stats: Tensor) -> dict[str, float]:
+    """``{"acc", "loss", "count"}`` from this rank's ``(correct, count, summed loss)`` float64, summed over
+    ranks; ``ValueError`` when nothing was scored (an accuracy of 0 over 0 samples is no measurement)."""
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.all_reduce(stats)
     c, t, l = stats.tolist()
-    return {"acc": c / max(t, 1.0), "loss": l / max(t, 1.0), "count": t}
+    if t == 0:
+        raise ValueError(
+            "no validation samples were scored: the validation set is empty (data.val_limit, train.val_batches)"
+        )
+    return {"acc": c / t, "loss": l / t, "count": t}

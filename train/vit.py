@@ -52,6 +52,12 @@ class DataSection:
     shapes_train: int = 20000  # procedural shapes: samples per split
     shapes_val: int = 2000
 
+    def __post_init__(self) -> None:
+        for name in ("train_limit", "val_limit"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ConfigError(f"data.{name} must be >= 1 images (or null for all), got {value}")
+
 
 @dataclass(kw_only=True)
 class ViTConfig:

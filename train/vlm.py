@@ -29,7 +29,7 @@ from torch.utils.data import Dataset
 from train.cli import main_guard, parse
 from train.config import ConfigError
 from train.engine import TrainSection, fit, move_to, seed_everything
-from train.tasks import val_loader
+from train.tasks import reduce_accuracy, val_loader
 
 
 @dataclass(kw_only=True)
@@ -151,8 +151,6 @@ def build_datasets(cfg: VLMConfig, *, lengths: tuple[int, ...] | None = None) ->
 def evaluate_answers(module, batches, device: torch.device) -> dict[str, float]:
     """Exact-match answer accuracy (teacher-forced) and mean answer-token loss over ``batches``, summed over
     ranks."""
-    import torch.distributed as dist
-
     from models.vlm import answer_accuracy
 
     stats = torch.zeros(3, dtype=torch.float64)  # correct, scored, loss x scored
@@ -162,10 +160,7 @@ def evaluate_answers(module, batches, device: torch.device) -> dict[str, float]:
         correct, scored = answer_accuracy(out["logits"], batch["labels"])
         n = scored.sum()
         stats += torch.stack([correct.sum(), n, out["loss"].detach().float() * n]).double().cpu()
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.all_reduce(stats)
-    c, t, l = stats.tolist()
-    return {"acc": c / max(t, 1.0), "loss": l / max(t, 1.0), "count": t}
+    return reduce_accuracy(stats)
 
 
 def main(argv=None) -> None:
