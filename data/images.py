@@ -268,6 +268,11 @@ class ImageFolder(ArrayImageDataset):
 
     Images are decoded with OpenCV as RGB uint8 on access. ``classes=`` fixes the class list (and
     order) when a split holds only some of them (e.g. ImageNet-HR next to an ImageNet train folder).
+
+    A file that cannot be decoded is skipped like an undecodable video: ``ds[i]`` warns and returns
+    ``(None, label)`` (``train.vit.collate`` drops it) and ``skipped`` maps each such file to its error.
+    More than ``max_skipped`` distinct files raise ``ValueError``: a folder that broken needs fixing. The
+    count is per process (each DataLoader worker keeps its own).
     """
 
     def __init__(
@@ -277,8 +282,13 @@ class ImageFolder(ArrayImageDataset):
         classes: Sequence[str] | None = None,
         extensions: Sequence[str] = IMAGE_EXTENSIONS,
         channels: int | None = 3,
+        max_skipped: int = 100,
         **kwargs,
     ) -> None:
+        if isinstance(max_skipped, bool) or not isinstance(max_skipped, int) or max_skipped < 0:
+            raise ValueError(f"max_skipped must be an int >= 0 (undecodable files tolerated), got {max_skipped!r}")
+        self.max_skipped = max_skipped
+        self.skipped: dict[str, str] = {}
         root = Path(root)
         if not root.is_dir():
             raise ValueError(f"ImageFolder root {root} is not a folder; expected root/<class>/<image files>")
@@ -311,5 +321,29 @@ class ImageFolder(ArrayImageDataset):
         path = self.files[index]
         img = cv2.imread(str(path), cv2.IMREAD_COLOR)
         if img is None:
-            raise OSError(f"cannot decode image {path}")
+            raise ImageDecodeError(f"cannot decode image {path}")
         return np.ascontiguousarray(img[:, :, ::-1])  # BGR -> RGB, (H, W, 3) uint8
+
+    def __getitem__(self, index: int) -> tuple[Tensor | None, int]:
+        try:
+            return super().__getitem__(index)
+        except ImageDecodeError as err:
+            import warnings
+
+            path = str(self.files[index])
+            self.skipped[path] = str(err)
+            if len(self.skipped) > self.max_skipped:
+                raise ValueError(
+                    f"{len(self.skipped)} images under this ImageFolder cannot be decoded, more than "
+                    f"max_skipped={self.max_skipped} (the last: {path}); fix or remove them"
+                ) from None
+            warnings.warn(
+                f"skipping image {path}: {err} ({len(self.skipped)} skipped so far, limit {self.max_skipped})",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+            return None, int(self.labels[index])
+
+
+class ImageDecodeError(OSError):
+    """An image file OpenCV cannot decode (what :class:`ImageFolder` skips)."""

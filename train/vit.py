@@ -128,6 +128,12 @@ def build_datasets(data: DataSection, *, size: int | None = None) -> tuple[Datas
 
 
 def collate(items):
+    """``(images, labels)``: stacked when all images share a size, else a list; images an ImageFolder could not
+    decode (``None``, already warned about and counted) are dropped."""
+    kept = [(x, y) for x, y in items if x is not None]
+    if not kept:
+        raise ValueError(f"every image of this batch of {len(items)} failed to decode (see the warnings); fix the data")
+    items = kept
     images = [x for x, _ in items]
     labels = torch.tensor([y for _, y in items], dtype=torch.long)
     same = all(im.shape == images[0].shape for im in images)
