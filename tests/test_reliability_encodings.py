@@ -282,6 +282,18 @@ def test_image_tokenizer_rejects_nan_pixels():
         tok([torch.rand(1, 8, 8), x[1]])
 
 
+def test_video_tokenizer_rejects_nan_pixels():
+    from vlpe.tokenizers import VideoTokenizer
+
+    tok = VideoTokenizer(dim=32, patch_size=4, tubelet_size=2, in_chans=1)
+    x = torch.rand(3, 1, 2, 8, 8)
+    tok(x)
+    x[2, 0, 1, 0, 0] = float("inf")
+    with pytest.raises(ValueError, match="video sample 2"):
+        tok(x)
+    assert VideoTokenizer(dim=32, patch_size=4, in_chans=1, check_finite=False)(x)[0].shape[0] == 3
+
+
 def test_point_tokenizer_ignores_nan_padding_and_rejects_nan_real_points():
     from vlpe.tokenizers import PointTokenizer
     from vlpe.tokenizers.points import farthest_point_sample

@@ -9,10 +9,26 @@ from torch import Tensor, nn
 
 from ..positions import Positions
 
-__all__ = ["Fit", "FIT_MODES", "patches_along", "to_pair", "PrefixTokens", "prepend_prefix"]
+__all__ = ["Fit", "FIT_MODES", "patches_along", "to_pair", "PrefixTokens", "prepend_prefix", "check_finite_samples"]
 
 Fit = Literal["raise", "crop", "pad"]
 FIT_MODES: tuple[str, ...] = ("raise", "crop", "pad")
+
+
+def check_finite_samples(samples: Sequence[Tensor], who: str, what: str) -> None:
+    """``ValueError`` naming the first sample (of batches ``samples``, each (b, ...)) with a NaN/inf value.
+
+    One reduction and one device-to-host read for all of them: the tokenizers' price for refusing NaN input
+    (the encodings and attention downstream read nothing back).
+    """
+    ok = torch.cat([torch.isfinite(x).flatten(1).all(1) for x in samples])  # (B,)
+    if bool(ok.all()):
+        return
+    bad = int((~ok).nonzero()[0, 0])
+    raise ValueError(
+        f"{who}: {what} sample {bad} has NaN or infinite values; fix or drop it before tokenizing "
+        f"(or build with check_finite=False)"
+    )
 
 
 def to_pair(value: int | Sequence[int], name: str) -> tuple[int, int]:

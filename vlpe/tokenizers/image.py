@@ -10,7 +10,7 @@ from torch import Tensor, nn
 from torch.nn.utils.rnn import pad_sequence
 
 from ..positions import Positions
-from ._common import Fit, PrefixTokens, check_fit, patches_along, to_pair
+from ._common import Fit, PrefixTokens, check_finite_samples, check_fit, patches_along, to_pair
 
 __all__ = ["ImageTokenizer"]
 
@@ -95,17 +95,8 @@ class ImageTokenizer(nn.Module):
         return self.prefix(tokens, pos)
 
     def _check_finite(self, images: Sequence[Tensor]) -> None:
-        """``ValueError`` naming the first sample with a NaN/inf pixel (one read for the whole batch)."""
-        if not self.check_finite:
-            return
-        ok = torch.cat([torch.isfinite(x).flatten(1).all(1) for x in images])  # (B,)
-        if bool(ok.all()):
-            return
-        bad = int((~ok).nonzero()[0, 0])
-        raise ValueError(
-            f"{type(self).__name__}: image sample {bad} has NaN or infinite pixels; fix or drop it before "
-            f"tokenizing (or build with check_finite=False)"
-        )
+        if self.check_finite:
+            check_finite_samples(images, type(self).__name__, "image")
 
     def _check_channels(self, c: int) -> None:
         if c != self.in_chans:

@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..positions import Positions
-from ._common import Fit, PrefixTokens, check_fit, patches_along, to_pair
+from ._common import Fit, PrefixTokens, check_finite_samples, check_fit, patches_along, to_pair
 
 __all__ = ["VideoTokenizer"]
 
@@ -34,6 +34,8 @@ class VideoTokenizer(nn.Module):
     Sizes follow ``fit`` along every axis (see :class:`ImageTokenizer`): an input smaller than one
     tubelet raises; ``'crop'`` drops trailing frames / bottom-right pixels; ``'pad'`` repeats the last
     frame (and its timestamp) up to a whole tubelet, as Qwen-VL processors do, and zero-pads space.
+    NaN or infinite pixels raise ``ValueError`` naming the sample (one device-to-host read per call;
+    ``check_finite=False`` skips it).
     """
 
     def __init__(
@@ -48,6 +50,7 @@ class VideoTokenizer(nn.Module):
         time_scale: float | None = None,
         time_reduce: Literal["mean", "first"] = "mean",
         bias: bool = True,
+        check_finite: bool = True,
     ) -> None:
         super().__init__()
         if dim < 1 or in_chans < 1 or tubelet_size < 1:
@@ -65,6 +68,7 @@ class VideoTokenizer(nn.Module):
         self.fit = check_fit(fit)
         self.time_scale = time_scale
         self.time_reduce = time_reduce
+        self.check_finite = bool(check_finite)
         kernel = (self.tubelet_size, *self.patch_size)
         self.proj = nn.Conv3d(in_chans, dim, kernel_size=kernel, stride=kernel, bias=bias)
         self.prefix = PrefixTokens(num=num_prefix, dim=dim)
@@ -97,6 +101,8 @@ class VideoTokenizer(nn.Module):
                 f"(the layout is (B, C, T, H, W))"
             )
         t, h, w = self.grid_size(T, H, W)
+        if self.check_finite:
+            check_finite_samples([video], type(self).__name__, "video")
         tt, (ph, pw) = self.tubelet_size, self.patch_size
         x = video
         if T > t * tt:  # crop trailing frames
