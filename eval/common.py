@@ -161,8 +161,11 @@ def expected_calibration_error(probs: Tensor, labels: Tensor, *, bins: int = 15)
     return float(gap.abs().sum() / n)
 
 
-def classification_metrics(logits: Tensor, labels: Tensor, *, bins: int = 15) -> dict[str, float]:
-    """Top-1 accuracy, ECE (``bins`` bins), mean NLL, class-mean accuracy and the sample count."""
+def classification_metrics(logits: Tensor, labels: Tensor, *, bins: int = 15) -> dict[str, Any]:
+    """Top-1 accuracy, ECE (``bins`` bins), mean NLL, class-mean accuracy, the sample count and the per-item
+    outcomes (``outcomes``: packed bits, see :func:`stats.pack_bits`; what the benchmark's intervals resample)."""
+    from stats import pack_bits
+
     logits, labels = logits.float(), labels.long()
     correct = logits.argmax(-1) == labels  # (n,)
     classes = labels.unique()
@@ -173,6 +176,7 @@ def classification_metrics(logits: Tensor, labels: Tensor, *, bins: int = 15) ->
         "nll": float(F.cross_entropy(logits, labels)),
         "class_mean_acc": float(per_class.mean()),
         "count": int(labels.numel()),
+        "outcomes": pack_bits(correct.numpy()),
     }
 
 

@@ -38,6 +38,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import fmt, markdown_table, pick_device, write_json  # noqa: E402
+from stats import pack_bits  # noqa: E402
 
 __all__ = [
     "TASKS",
@@ -56,6 +57,7 @@ __all__ = [
 ]
 
 TASKS = ("v_niah", "v_niah_d")
+SCALINGS = ("linear", "ntk", "yarn")  # training-free time scaling beyond the training length (--scaling)
 SCORINGS = ("teacher", "generate")
 DEFAULT_DEPTHS = (0.0, 0.2, 0.4, 0.6, 0.8, 1.0)  # LongVA / HoPE: depth step 0.2
 
@@ -204,6 +206,23 @@ def summarize(grid: list[list[float]], lengths: Sequence[int], train_frames: int
     }
 
 
+def _time_extents(model, cfg, lengths: Sequence[int]) -> dict[int, float]:
+    """Max time position id + 1 of a V-NIAH sample at every length and at the training length (the variant's
+    own ids: the context a time-axis scaling stretches)."""
+    from data.vlm_collate import VLMCollator
+
+    vc = model.hf.config.vision_config
+    collate = VLMCollator(model.tokenizer, patch_size=vc.patch_size, temporal_patch_size=vc.temporal_patch_size,
+                          merge_size=vc.spatial_merge_size, position_variant=model.variant,
+                          position_options=model.position_options)  # fmt: skip
+    out = {}
+    for L in sorted({*lengths, cfg.data.frames}):
+        sample = build_task(cfg, "v_niah", [L], [0.5], samples_per_cell=1, seed=0)[0]
+        ids = collate([sample])["position_ids"]  # (A, 1, S)
+        out[L] = float(ids[0].max()) + 1.0
+    return out
+
+
 def evaluate_run(
     run_dir: str | Path,
     lengths: Sequence[int] | None = None,
@@ -216,6 +235,7 @@ def evaluate_run(
     delta: int | None = None,
     haystack: str | None = None,
     seed: int | None = None,
+    scaling: str | None = None,
     device: str | torch.device | None = None,
     progress: bool = True,
 ) -> dict:
@@ -226,7 +246,13 @@ def evaluate_run(
     The batch shrinks with the length (``batch_size * train_frames / L``) so a batch holds about as many
     tokens at every length. Result ``tasks[task][scoring]`` holds ``grid`` (``[depth][length]`` accuracy),
     ``per_length``, ``per_depth``, ``mean``, ``in_distribution`` and ``extrapolated``; ``agreement`` the
-    fraction of samples on which the two scorings agree.
+    fraction of samples on which the two scorings agree; ``outcomes`` the per-sample exact matches of each
+    length (packed bits, depth-major then sample: what the benchmark's intervals resample).
+
+    ``scaling`` (``linear`` / ``ntk`` / ``yarn``) evaluates every length beyond the training length with that
+    training-free scaling of the decoder's *time* axis only: factor = the time extent of the test video's
+    position ids over the training video's (max time id + 1, from the variant's own ids), original size = the
+    training extent (the long-video use of YaRN; space is left as trained).
     """
     from tqdm import tqdm
 
@@ -249,20 +275,30 @@ def evaluate_run(
     seed = cfg.data.seed + 2 if seed is None else int(seed)
     sets = {t: build_task(cfg, t, lengths, depths, samples_per_cell=samples_per_cell, seed=seed, delta=delta,
                           haystack=haystack) for t in tasks}  # fmt: skip
+    if scaling is not None and scaling not in SCALINGS:
+        raise ValueError(f"scaling must be one of {list(SCALINGS)} or None, got {scaling!r}")
+    extents = _time_extents(model, cfg, lengths) if scaling is not None else {}
 
     # batches of one length (index order is length-major, then depth, then sample)
     per_length = len(depths) * samples_per_cell
-    plan: list[tuple[str, list[int]]] = []
-    for t in tasks:
-        for j, L in enumerate(lengths):
+    plan: list[tuple[str, int, list[int]]] = []
+    for j, L in enumerate(lengths):  # length-major, so the time scaling changes once per length
+        for t in tasks:
             bs = max(1, int(batch_size * train_frames / max(L, train_frames)))
             idx = list(range(j * per_length, (j + 1) * per_length))
-            plan += [(t, idx[i : i + bs]) for i in range(0, len(idx), bs)]
+            plan += [(t, L, idx[i : i + bs]) for i in range(0, len(idx), bs)]
     hits = {t: {s: [False] * len(sets[t]) for s in scorings} for t in tasks}
-    total = sum(len(i) for _, i in plan)
+    total = sum(len(i) for _, _, i in plan)
     with tqdm(total=total, desc=f"{run.name} V-NIAH", unit="video", disable=not progress, leave=False,
               dynamic_ncols=True) as bar:  # fmt: skip
-        for t, idx in plan:
+        current: float | None = None
+        for t, L, idx in plan:
+            if scaling is not None:
+                factor = extents[L] / extents[train_frames] if L > train_frames else None
+                if factor != current:
+                    model.set_rope_scaling(None if factor is None else {
+                        "type": scaling, "factor": {"t": factor}, "original_size": {"t": extents[train_frames]}})
+                    current = factor
             samples = [sets[t][i] for i in idx]
             scored = score_batch(model, tok, samples, device, scorings)
             for s in scorings:
@@ -279,13 +315,15 @@ def evaluate_run(
                                             (j * len(depths) + i + 1) * samples_per_cell])  # fmt: skip
                      for j in range(len(lengths))] for i in range(len(depths))]
             entry[s] = summarize(grid, lengths, train_frames)
+            entry[s]["outcomes"] = [pack_bits(hits[t][s][j * per_length:(j + 1) * per_length])
+                                    for j in range(len(lengths))]  # fmt: skip
         if len(scorings) == 2:
             a, b = (hits[t][s] for s in SCORINGS)
             entry["agreement"] = sum(x == y for x, y in zip(a, b)) / len(a)
         results[t] = entry
     return {
         "run": str(run_dir),
-        "name": run.name,
+        "name": run.name if scaling is None else f"{run.name}+{scaling}",
         "variant": cfg.model.variant,
         "variant_options": cfg.model.variant_options,
         "seed": cfg.train.seed,
@@ -294,6 +332,7 @@ def evaluate_run(
         "haystack": haystack or cfg.data.haystack,
         "delta": cfg.data.delta if delta is None else int(delta),
         "eval_seed": seed,
+        "scaling": scaling,
         "lengths": lengths,
         "depths": depths,
         "samples_per_cell": samples_per_cell,
@@ -393,6 +432,8 @@ def main(argv: Sequence[str] | None = None) -> list[dict]:
     p.add_argument("--delta", type=int, default=None, help="V-NIAH-D distractor distance (frames; default the run's)")
     p.add_argument("--haystack", default=None, choices=["procedural", "real"], help="default: the run's")
     p.add_argument("--seed", type=int, default=None, help="evaluation seed (default the run's data.seed + 2)")
+    p.add_argument("--scaling", nargs="+", default=["none"], choices=["none", *SCALINGS],
+                   help="training-free time-axis scaling beyond the training length; several: one evaluation each")
     p.add_argument("--batch-size", type=int, default=32, help="batch at the training length (scaled down with length)")
     p.add_argument("--out", default="results/long_video", help="output folder")
     p.add_argument("--device", default="auto")
@@ -401,8 +442,10 @@ def main(argv: Sequence[str] | None = None) -> list[dict]:
     evals = [
         evaluate_run(run, args.lengths, args.depths, tasks=args.tasks, scorings=args.scoring,
                      samples_per_cell=args.samples, batch_size=args.batch_size, delta=args.delta,
-                     haystack=args.haystack, seed=args.seed, device=args.device, progress=not args.no_progress)
+                     haystack=args.haystack, seed=args.seed, scaling=None if sc == "none" else sc,
+                     device=args.device, progress=not args.no_progress)
         for run in args.run
+        for sc in args.scaling
     ]  # fmt: skip
     paths = write_report(evals, args.out)
     print(markdown(evals))

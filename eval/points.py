@@ -56,6 +56,8 @@ def evaluate_points_run(
     rotations: Sequence[str] = ("z", "so3"),
     factors: Sequence[int] = (2, 4, 8),
     grouping: str = "tokens",
+    samples_per_class: int | None = None,
+    data_seed: int | None = None,
     limit: int | None = None,
     batch_size: int = 32,
     device: str | torch.device | None = None,
@@ -83,6 +85,17 @@ def evaluate_points_run(
     trained = (tok.num_groups, tok.group_size)
     train_rot, train_points = cfg.data.rotation, cfg.data.num_points
     _, base = build_datasets(cfg.data, val_only=True)  # the training-time validation set
+    if samples_per_class is not None or data_seed is not None:  # another draw of the validation stream
+        changes: dict[str, int] = {}
+        if samples_per_class is not None:
+            if isinstance(samples_per_class, bool) or not isinstance(samples_per_class, int) or samples_per_class < 1:
+                raise ValueError(f"samples_per_class must be a positive integer, got {samples_per_class!r}")
+            changes["samples_per_class"] = samples_per_class
+        if data_seed is not None:
+            if isinstance(data_seed, bool) or not isinstance(data_seed, int) or data_seed < 0:
+                raise ValueError(f"data_seed must be a non-negative integer, got {data_seed!r}")
+            changes["seed"] = data_seed
+        base = base.variant(**changes)
 
     conditions: list[tuple[str, str, int, int]] = [("rotation", r, train_points, 1) for r in rotations]
     by_count = point_count_protocol(base, train_points=train_points, factors=factors)
@@ -118,6 +131,8 @@ def evaluate_points_run(
         "num_groups": trained[0],
         "group_size": trained[1],
         "grouping": grouping,
+        "data_seed": base.seed,
+        "samples_per_class": base.samples_per_class,
         "results": results,
     }
 
@@ -167,6 +182,10 @@ def main(argv: Sequence[str] | None = None) -> list[dict]:
     p.add_argument("--grouping", default="tokens", choices=GROUPINGS)
     p.add_argument("--out", default="results/points", help="output folder")
     p.add_argument("--limit", type=int, default=None, help="evaluate the first N validation samples")
+    p.add_argument("--samples-per-class", type=int, default=None,
+                   help="test samples per class (default: the run's validation set)")
+    p.add_argument("--data-seed", type=int, default=None,
+                   help="seed of the test draw (default the run's validation seed; the benchmark gives each seed its own)")
     p.add_argument("--batch-size", type=int, default=32)
     p.add_argument("--device", default="auto")
     p.add_argument("--bf16", action="store_true", help="bf16 autocast (GPU)")
@@ -174,7 +193,7 @@ def main(argv: Sequence[str] | None = None) -> list[dict]:
     args = p.parse_args(argv)
     evals = [
         evaluate_points_run(run, rotations=args.rotations, factors=args.factors, grouping=args.grouping,
-                            limit=args.limit, batch_size=args.batch_size, device=args.device, bf16=args.bf16,
+                            samples_per_class=args.samples_per_class, data_seed=args.data_seed, limit=args.limit, batch_size=args.batch_size, device=args.device, bf16=args.bf16,
                             progress=not args.no_progress)
         for run in args.run
     ]

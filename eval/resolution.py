@@ -49,6 +49,7 @@ from common import (  # noqa: E402
 __all__ = ["PROTOCOLS", "resolve_protocol", "test_dataset", "size_bins", "evaluate_run", "write_report", "main"]
 
 PROTOCOLS = ("auto", "render", "resize", "crop")
+SCALINGS = ("linear", "ntk", "yarn")  # training-free RoPE scaling at the test size (--scaling)
 _ARRAY_SETS = ("fashion_mnist", "mnist5k", "digits")
 _ALLOWED = {  # dataset -> its protocols, the default first
     "shapes": ("render", "resize"),
@@ -139,6 +140,8 @@ def evaluate_run(
     protocol: str = "auto",
     crop_ratio: float = 224 / 256,
     limit: int | None = None,
+    offset: int = 0,
+    scaling: str | None = None,
     batch_size: int = 64,
     device: str | torch.device | None = None,
     workers: int = 0,
@@ -149,9 +152,15 @@ def evaluate_run(
     """Top-1 / ECE / NLL of one exported ViT run at every test size; a JSON-ready dict.
 
     ``ratios`` (default the LookHere ratios) multiply the training size; each test size is rounded to a
-    multiple of the patch size. ``limit`` evaluates the first ``limit`` validation images. The batch
-    shrinks as ``batch_size * (T/S)^2`` so a batch holds about the same number of tokens at every size.
+    multiple of the patch size. ``offset`` / ``limit`` evaluate validation images ``offset .. offset+limit-1``
+    (the benchmark gives every seed its own slice). ``scaling`` (``linear`` / ``ntk`` / ``yarn``) applies that
+    training-free RoPE scaling at every test size, with factor = test grid / training grid per axis
+    (:func:`vlpe.encodings.functional.scaling.resolution_scaling`); the model must hold a rotary encoding. The
+    batch shrinks as ``batch_size * (T/S)^2`` so a batch holds about the same number of tokens at every size.
     """
+    from vlpe.encodings import set_scaling
+    from vlpe.encodings.functional.scaling import resolution_scaling
+
     from data.transforms import LOOKHERE_RATIOS, eval_resolutions
     from train.vit import collate
 
@@ -164,13 +173,25 @@ def evaluate_run(
     sizes = eval_resolutions(train_size, ratios=ratios, multiple_of=patch)
     if limit is not None and limit < 1:
         raise ValueError(f"limit must be a positive number of images, got {limit}")
+    if isinstance(offset, bool) or not isinstance(offset, int) or offset < 0:
+        raise ValueError(f"offset must be a non-negative image index, got {offset!r}")
+    if scaling is not None and scaling not in SCALINGS:
+        raise ValueError(f"scaling must be one of {list(SCALINGS)} or None, got {scaling!r}")
+    train_grid = (train_size // patch, train_size // patch)
     done: dict[int, dict] = {}
     results = []
     for ratio, size in zip(ratios, sizes):
         if size not in done:
             ds = test_dataset(cfg.data, size, protocol, crop_ratio=crop_ratio)
-            if limit is not None:
-                ds = Subset(ds, range(min(limit, len(ds))))  # type: ignore[arg-type]
+            n = len(ds)  # type: ignore[arg-type]
+            if offset or limit is not None:
+                if offset >= n:
+                    raise ValueError(f"offset {offset} is past the {n} validation images of {run_dir}")
+                stop = n if limit is None else min(n, offset + limit)
+                ds = Subset(ds, range(offset, stop))  # type: ignore[arg-type]
+            if scaling is not None:
+                grid = (size // patch, size // patch)
+                set_scaling(model, resolution_scaling(train_grid, grid, scaling) if grid != train_grid else None)
             bs = max(1, int(batch_size * (train_size / size) ** 2))
             loader = DataLoader(ds, batch_size=bs, collate_fn=collate, num_workers=workers)
             logits, labels = predict(model, loader, device, desc=f"{run.name} {size}px", progress=progress, bf16=bf16)
@@ -179,6 +200,8 @@ def evaluate_run(
             if bins is not None:
                 metrics["acc_by_size_bin"] = group_accuracy(logits.argmax(-1) == labels, *bins)
             done[size] = metrics
+            if scaling is not None:
+                set_scaling(model, None)
         grid = size // patch
         results.append({"ratio": ratio, "size": size, "grid": [grid, grid],
                         "tokens": grid * grid + model.num_prefix, **done[size]})
@@ -187,7 +210,7 @@ def evaluate_run(
         r["drop"] = None if base is None else r["acc"] - base
     return {
         "run": str(run_dir),
-        "name": run.name,
+        "name": run.name if scaling is None else f"{run.name}+{scaling}",
         "encoding": cfg.model.encoding,
         "encoding_options": cfg.model.encoding_options,
         "dataset": cfg.data.dataset,
@@ -196,6 +219,8 @@ def evaluate_run(
         "patch_size": patch,
         "protocol": protocol,
         "crop_ratio": crop_ratio if protocol == "crop" else None,
+        "scaling": scaling,
+        "offset": offset,
         "results": results,
     }
 
@@ -279,7 +304,10 @@ def main(argv: Sequence[str] | None = None) -> list[dict]:
     p.add_argument("--out", default="results/resolution", help="output folder")
     p.add_argument("--protocol", default="auto", choices=PROTOCOLS)
     p.add_argument("--crop-ratio", type=float, default=224 / 256, help="crop protocol: crop side / resized short side")
-    p.add_argument("--limit", type=int, default=None, help="evaluate the first N validation images")
+    p.add_argument("--limit", type=int, default=None, help="evaluate N validation images (from --offset)")
+    p.add_argument("--offset", type=int, default=0, help="index of the first validation image evaluated")
+    p.add_argument("--scaling", nargs="+", default=["none"], choices=["none", *SCALINGS],
+                   help="training-free RoPE scaling at the test size; several: one evaluation each")
     p.add_argument("--batch-size", type=int, default=64, help="batch at the training size (scaled down with size)")
     p.add_argument("--device", default="auto")
     p.add_argument("--workers", type=int, default=0, help="DataLoader workers (rendering Shapes-HR is CPU-bound)")
@@ -289,9 +317,11 @@ def main(argv: Sequence[str] | None = None) -> list[dict]:
     args = p.parse_args(argv)
     evals = [
         evaluate_run(run, args.ratios, protocol=args.protocol, crop_ratio=args.crop_ratio, limit=args.limit,
-                     batch_size=args.batch_size, device=args.device, workers=args.workers,
-                     by_size=not args.no_size_bins, bf16=args.bf16, progress=not args.no_progress)
+                     offset=args.offset, scaling=None if sc == "none" else sc, batch_size=args.batch_size,
+                     device=args.device, workers=args.workers, by_size=not args.no_size_bins, bf16=args.bf16,
+                     progress=not args.no_progress)
         for run in args.run
+        for sc in args.scaling
     ]
     paths = write_report(evals, args.out)
     print(markdown(evals))

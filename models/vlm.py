@@ -417,9 +417,24 @@ class VLM(nn.Module):
         gen = hf.generation_config
         gen.bos_token_id, gen.eos_token_id, gen.pad_token_id = tokenizer.bos_id, tokenizer.eos_id, tokenizer.pad_id
         self.hf = hf
-        vlpe_hf.apply(hf, v, **dict(variant_options or {}))
+        self._variant_arg, self._variant_options = v, dict(variant_options or {})
+        vlpe_hf.apply(hf, v, **self._variant_options)
         self._patch = vlpe_hf.patch_of(hf)
         self.variant = self._patch.variant  # with an ``allocation`` option applied
+
+    def set_rope_scaling(self, scaling: Mapping[str, Any] | None) -> "VLM":
+        """Training-free scaling of the decoder's rotary tables from the next forward on (a vlpe scaling dict,
+        e.g. ``{"type": "yarn", "factor": {"t": 4}}``; None: the trained tables). Re-applies the variant with
+        ``scaling=`` (no parameter changes); the position ids are unaffected."""
+        from vlpe.integrations import transformers as vlpe_hf
+
+        options = dict(self._variant_options)
+        if scaling is not None:
+            options["scaling"] = dict(scaling)
+        vlpe_hf.remove(self.hf)
+        vlpe_hf.apply(self.hf, self._variant_arg, **options)
+        self._patch = vlpe_hf.patch_of(self.hf)
+        return self
 
     # -- properties ------------------------------------------------------------------------------------------------
     @property

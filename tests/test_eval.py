@@ -12,6 +12,7 @@ import math
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 import yaml
@@ -352,3 +353,50 @@ def test_eval_on_checkpoints_from_the_training_scripts(tmp_path):
     assert all(0 <= r["acc"] <= 1 for r in pev["results"])
     paths = resolution.write_report([ev, ev | {"name": "copy"}], tmp_path / "out")
     assert all(p.exists() for p in paths.values())
+
+
+# --------------------------------------------------------------------------- benchmark options
+def test_resolution_offset_and_outcomes(vit_run):
+    """``offset`` selects other images; the packed outcomes are the per-image hits the accuracy averages."""
+    import resolution
+    from stats import unpack_bits
+
+    a = resolution.evaluate_run(vit_run, [1.0, 2.0], limit=20, offset=0, device="cpu", progress=False)
+    b = resolution.evaluate_run(vit_run, [1.0, 2.0], limit=20, offset=20, device="cpu", progress=False)
+    full = resolution.evaluate_run(vit_run, [1.0, 2.0], limit=40, device="cpu", progress=False)
+    for i in range(2):
+        hits = [unpack_bits(ev["results"][i]["outcomes"]) for ev in (a, b, full)]
+        assert hits[0].mean() == pytest.approx(a["results"][i]["acc"])
+        assert (np.concatenate(hits[:2]) == hits[2]).all()  # the two slices tile the first 40 images
+    with pytest.raises(ValueError, match="offset"):
+        resolution.evaluate_run(vit_run, [1.0], offset=10_000, device="cpu", progress=False)
+
+
+def test_resolution_scaling_rows(vit_run):
+    """Training-free scaling changes nothing at 1x and something beyond; no scaling is left on the model."""
+    import resolution
+
+    plain = resolution.evaluate_run(vit_run, [1.0, 2.29], limit=20, device="cpu", progress=False)
+    for kind in ("linear", "yarn"):
+        sc = resolution.evaluate_run(vit_run, [1.0, 2.29], limit=20, scaling=kind, device="cpu", progress=False)
+        assert sc["scaling"] == kind and sc["name"].endswith("+" + kind)
+        assert sc["results"][0]["outcomes"] == plain["results"][0]["outcomes"]
+        assert sc["results"][1]["nll"] != pytest.approx(plain["results"][1]["nll"], rel=1e-6)
+    again = resolution.evaluate_run(vit_run, [2.29], limit=20, device="cpu", progress=False)
+    assert again["results"][0]["nll"] == pytest.approx(plain["results"][1]["nll"], rel=1e-6)
+    with pytest.raises(ValueError, match="scaling"):
+        resolution.evaluate_run(vit_run, [1.0], scaling="dynamic", device="cpu", progress=False)
+
+
+def test_points_data_seed_draws_other_items(points_run):
+    import points as points_eval
+
+    kw = dict(rotations=["z"], factors=[], samples_per_class=2, device="cpu", progress=False)
+    a = points_eval.evaluate_points_run(points_run, data_seed=1000, **kw)
+    b = points_eval.evaluate_points_run(points_run, data_seed=1000, **kw)
+    c = points_eval.evaluate_points_run(points_run, data_seed=1001, **kw)
+    assert a["results"][0]["outcomes"] == b["results"][0]["outcomes"]
+    assert a["data_seed"] == 1000 and c["data_seed"] == 1001 and a["results"][0]["count"] == 2 * a["num_classes"]
+    assert a["results"][0]["nll"] != pytest.approx(c["results"][0]["nll"], rel=1e-9)
+    with pytest.raises(ValueError, match="data_seed"):
+        points_eval.evaluate_points_run(points_run, data_seed=-1, **kw)

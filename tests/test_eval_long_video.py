@@ -185,3 +185,24 @@ def test_load_errors(tiny_run, tmp_path):
         long_video.load_vlm_run(other)
     with pytest.raises(ValueError, match="tasks must be among"):
         long_video.evaluate_run(tiny_run, [2], [0.0], tasks=["v_ruler"], progress=False)
+
+
+def test_time_scaling_row_and_outcomes(tiny_run):
+    """``scaling``: lengths up to the training length are untouched, longer ones change; outcomes are the hits."""
+    import long_video
+    from stats import unpack_bits
+
+    kw = dict(tasks=["v_niah"], scorings=["teacher"], samples_per_cell=SAMPLES, seed=SEED, device="cpu",
+              progress=False)
+    plain = long_video.evaluate_run(tiny_run, [4, 16], DEPTHS, **kw)
+    scaled = long_video.evaluate_run(tiny_run, [4, 16], DEPTHS, scaling="yarn", **kw)
+    p, s = plain["tasks"]["v_niah"]["teacher"], scaled["tasks"]["v_niah"]["teacher"]
+    assert s["outcomes"][0] == p["outcomes"][0]  # at the training length: no scaling
+    for j in range(2):
+        assert unpack_bits(p["outcomes"][j]).mean() == pytest.approx(p["per_length"][j])
+    assert scaled["scaling"] == "yarn" and scaled["name"].endswith("+yarn")
+    run = long_video.load_vlm_run(tiny_run)
+    ext = long_video._time_extents(run.model, run.cfg, [4, 16])
+    assert ext[16] > ext[4]  # the time extent of the position ids grows with the video
+    with pytest.raises(ValueError, match="scaling"):
+        long_video.evaluate_run(tiny_run, [4], DEPTHS, scaling="dynamic", **kw)

@@ -1,0 +1,191 @@
+"""The benchmark's protocols: what every run of a family trains on, how it is tested, which rows exist.
+
+One :class:`Protocol` per family. Every encoding of a family trains with the *same* overrides (``train``) on top of
+its ``configs/<...>.yaml`` (which only names the encoding), from seeds ``0 .. seeds-1``. Seed ``k`` of every
+encoding is tested on the same items and different seeds on disjoint items (``seed_args``; :mod:`stats`
+explains why). A *row* of the results is one (trained encoding, evaluation) pair: most rows are an encoding's
+own runs, a few evaluate the same weights with a training-free RoPE scaling at test time (``Row.scaling``), so they
+cost an evaluation, not a training. This module is the single source of every protocol number; the README's
+protocol section and ``results/protocol.json`` are generated from it (:func:`describe`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+__all__ = ["Row", "Protocol", "PROTOCOLS", "FAMILIES", "config_path", "train_fingerprint", "describe"]
+
+FAMILIES = ("vit", "vlm", "points")
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@dataclass(frozen=True)
+class Row:
+    """One row of a family's table: the runs of config ``encoding``, evaluated with ``scaling`` (None: as
+    trained)."""
+
+    name: str
+    encoding: str
+    scaling: str | None = None
+
+
+@dataclass(frozen=True)
+class Protocol:
+    family: str
+    title: str
+    script: str  # train/<script>.py
+    evaluator: str  # eval/<evaluator>.py
+    seeds: int
+    train: tuple[str, ...]  # dotted overrides of every run of the family
+    eval_args: tuple[str, ...]  # evaluation arguments of every run
+    seed_args: Callable[[int], tuple[str, ...]]  # the evaluation arguments that give seed k its own test items
+    rows: tuple[Row, ...]
+    extra: tuple[str, ...]  # configs that ``--encodings all`` adds
+    choices: tuple[str, ...]  # every protocol choice, in words (README, results/protocol.json)
+
+    @property
+    def encodings(self) -> tuple[str, ...]:
+        """Configs trained by default, each once per seed (scaled rows share the runs of their encoding)."""
+        return tuple(dict.fromkeys(r.encoding for r in self.rows))
+
+    def rows_of(self, encoding: str) -> tuple[Row, ...]:
+        """The rows an encoding's runs feed (its own row first; an extra encoding gets its own row)."""
+        rows = tuple(r for r in self.rows if r.encoding == encoding)
+        return rows or (Row(encoding, encoding),)
+
+
+def _plain(*names: str) -> tuple[Row, ...]:
+    return tuple(Row(n, n) for n in names)
+
+
+VIT = Protocol(
+    family="vit",
+    title="ViT resolution extrapolation (Fashion-MNIST)",
+    script="vit",
+    evaluator="resolution",
+    seeds=5,
+    train=(
+        "model.preset=micro", "model.embed_dim=64", "model.depth=4", "model.num_heads=4", "model.patch_size=4",
+        "model.readout=cls", "model.label_smoothing=0.0", "data.dataset=fashion_mnist", "data.img_size=28",
+        "data.train_limit=null", "data.val_limit=2000", "data.augment=false", "train.micro_batch=128",
+        "train.lr=0.003", "train.min_lr=1e-05", "train.weight_decay=0.05", "train.steps=900",
+        "train.warmup_steps=45", "train.val_batches=8",
+    ),  # fmt: skip
+    eval_args=("--limit", "1000"),
+    seed_args=lambda k: ("--offset", str(1000 * k)),
+    rows=_plain("nope", "ape", "peg", "rope", "rope_mixed", "rope_dinov3", "lookhere", "fire", "pape")
+    + (Row("rope+ntk", "rope", "ntk"), Row("rope+yarn", "rope", "yarn"), Row("rope_mixed+yarn", "rope_mixed", "yarn")),
+    extra=("sincos", "alibi", "lh45", "lh90", "lh180", "pape_ri", "irpe", "rpe2d", "comrope", "string", "fourier"),
+    choices=(
+        "Data: Fashion-MNIST (Debian dataset-fashion-mnist), all 60,000 training images at 28 px, no augmentation.",
+        "Model: a 4-block ViT of width 64 with 4 heads, patch 4 (a 7x7 grid + CLS; the 14x14 grid of the papers "
+        "costs 4x per step and does not fit the CPU budget), CLS readout, the encoding's own defaults.",
+        "Training: AdamW (weight decay 0.05), batch 128, lr 3e-3 with 45 warm-up steps and a cosine decay to 1e-5 "
+        "over 900 steps (1.9 epochs), fp32, one process per run.",
+        "Test: the same weights at the LookHere ratios 1, 1.43, 1.71, 2, 2.29, 3.43, 4.57 (28 ... 128 px, 7x7 ... "
+        "32x32 patches); a test image is an antialiased bicubic resize of the whole 28 px image.",
+        "Items: seed k is tested on test images 1000k ... 1000k+999 (5 seeds: 5,000 distinct images per cell).",
+        "Training-free rows: rope+ntk / rope+yarn / rope_mixed+yarn are the rope / rope_mixed runs evaluated with "
+        "that scaling at every test size, factor = test grid / training grid per axis, original size = the "
+        "training grid.",
+    ),
+)
+
+VLM = Protocol(
+    family="vlm",
+    title="Long-video retrieval (V-NIAH / V-NIAH-D)",
+    script="vlm",
+    evaluator="long_video",
+    seeds=5,
+    train=("data.needles=photos", "data.frames=8", "data.haystack=procedural", "train.steps=250",
+           "train.warmup_steps=20", "train.val_batches=4", "train.num_workers=0"),  # fmt: skip
+    eval_args=("--lengths", "4", "8", "16", "32", "64", "128", "256", "--samples", "12", "--tasks", "v_niah",
+               "v_niah_d", "--scoring", "teacher"),  # fmt: skip
+    seed_args=lambda k: ("--seed", str(1000 + k)),
+    rows=_plain("rope1d", "mrope", "mrope_i", "videorope", "hope_video", "vrope", "v2pe")
+    + (Row("mrope+yarn_t", "mrope", "yarn"),),
+    extra=("mhrope", "pype", "qwen25vl", "qwen3vl"),
+    choices=(
+        "Task: V-NIAH on 16x16 frames of a procedural haystack; the needle is one of 8 scikit-image photos drawn "
+        "in red (recognised almost perfectly, so the score measures retrieval, not recognition); answer = one "
+        "word, chance 12.5 %.",
+        "Model: the tiny VLM (2-block vision tower, 2x2 merger, 2-layer Qwen2-VL decoder of width 64) with the "
+        "variant's position ids and rotary tables; trained at 8 frames (16 video tokens) for 250 steps.",
+        "Test: lengths 4, 8 (in distribution), 16, 32, 64, 128, 256 frames (2x ... 32x the training length), "
+        "needle depths 0, 0.2, ..., 1, 12 needles per (length, depth) cell per seed, teacher-forced exact match.",
+        "V-NIAH-D: the same samples (same haystack and needle) with one blue distractor of another class 4 frames "
+        "away, so V-NIAH and V-NIAH-D are matched pairs.",
+        "Items: seed k draws its needles and haystacks from evaluation seed 1000 + k (independent across seeds, "
+        "shared by all variants).",
+        "Training-free row: mrope+yarn_t is the mrope runs evaluated with YaRN on the time axis only, factor = the "
+        "test video's time extent of the position ids over the training video's.",
+    ),
+)
+
+POINTS = Protocol(
+    family="points",
+    title="Point clouds under rotation and point-count shifts",
+    script="points",
+    evaluator="points",
+    seeds=5,
+    train=("data.dataset=procedural", "data.num_points=512", "data.rotation=z", "data.samples_per_class=256",
+           "train.steps=300", "train.warmup_steps=20", "train.val_batches=4"),  # fmt: skip
+    eval_args=("--rotations", "z", "so3", "--factors", "2", "4", "--samples-per-class", "60"),
+    seed_args=lambda k: ("--data-seed", str(1000 + k)),
+    rows=_plain("nope", "sincos", "rope", "alibi", "pape", "pape_ri"),
+    extra=("fourier", "rope_mixed", "string", "fire"),
+    choices=(
+        "Data: the procedural ModelNet-like set (10 classes: sphere, box, cylinder, cone, torus, pyramid, table, "
+        "chair, lamp, mug; random proportions per item), 512 surface points, random z rotation, per-axis scale "
+        "0.8-1.25, jitter 0.01.",
+        "Model: the 4-block point transformer (width 96, 32 FPS groups of 16 neighbours, GAP readout), 300 "
+        "steps of batch 32.",
+        "Test: z rotations (in distribution), uniform SO(3) rotations, and 2x / 4x the training point count "
+        "(2x / 4x as many groups of the trained size).",
+        "Items: seed k is tested on 60 fresh shapes per class from data seed 1000 + k (600 per seed).",
+    ),
+)
+
+PROTOCOLS: dict[str, Protocol] = {p.family: p for p in (VIT, VLM, POINTS)}
+
+
+def config_path(p: Protocol, encoding: str) -> Path:
+    """The run config of ``encoding`` in family ``p``."""
+    name = {"vit": f"vit_{encoding}", "points": f"points_{encoding}", "vlm": encoding}[p.family]
+    return ROOT / "configs" / f"{name}.yaml"
+
+
+def _config_texts(path: Path) -> list[str]:
+    """The text of a config and of every file it inherits from."""
+    import yaml
+
+    out, seen = [], set()
+    while path not in seen and path.is_file():
+        seen.add(path)
+        text = path.read_text()
+        out.append(text)
+        parent = (yaml.safe_load(text) or {}).get("inherit")
+        if not parent:
+            break
+        path = path.parent / parent
+    return out
+
+
+def train_fingerprint(p: Protocol, encoding: str) -> str:
+    """12 hex digits of what decides a run's weights (the overrides and the config files): a change retrains."""
+    blob = json.dumps([list(p.train), _config_texts(config_path(p, encoding))])
+    return hashlib.sha256(blob.encode()).hexdigest()[:12]
+
+
+def describe(p: Protocol) -> dict[str, Any]:
+    """The protocol as plain data (``results/protocol.json``)."""
+    return {
+        "family": p.family, "title": p.title, "seeds": p.seeds, "train_overrides": list(p.train),
+        "eval_args": list(p.eval_args), "seed_args": {k: list(p.seed_args(k)) for k in range(p.seeds)},
+        "rows": [{"name": r.name, "encoding": r.encoding, "scaling": r.scaling} for r in p.rows],
+        "extra_encodings": list(p.extra), "choices": list(p.choices),
+    }  # fmt: skip
