@@ -3,8 +3,6 @@ ValueErrors that replace raw torch errors for mismatched inputs (shapes, context
 
 from __future__ import annotations
 
-import copy
-
 import pytest
 import torch
 
@@ -12,7 +10,7 @@ import vlpe
 from vlpe import Positions, attention_logits
 from vlpe.attention import Attention, attend
 from vlpe.encodings import build, get
-from vlpe.testing import PropertyFailure, check_fp32_angles, probe
+from vlpe.testing import PropertyFailure, check_fp32_angles
 
 
 def _build(name, **extra):
