@@ -16,12 +16,19 @@ from vlpe.attention import Backend
 from vlpe.tokenizers import PointTokenizer
 
 from .blocks import Encoder, readout
+from .hub import HubMixin
 
 __all__ = ["PointTransformer"]
 
 
-class PointTransformer(nn.Module):
-    """Classifier over point clouds ``(B, P, 3)`` (optional ``valid`` (B, P) for padded clouds)."""
+class PointTransformer(nn.Module, HubMixin):
+    """Classifier over point clouds ``(B, P, 3)`` (optional ``valid`` (B, P) for padded clouds).
+
+    ``save_pretrained`` / ``from_pretrained`` as :class:`models.vit.ViT` (:mod:`models.hub`).
+    """
+
+    _card_task = "point-cloud-classification"
+    _card_pipeline = None
 
     def __init__(
         self,
@@ -59,6 +66,13 @@ class PointTransformer(nn.Module):
             backend=backend,
         )
         self.head = nn.Linear(embed_dim, num_classes)
+
+    def _card_architecture(self) -> str:
+        enc = self.encoder
+        return (
+            f"point transformer (width {enc.norm.normalized_shape[0]}, {len(enc.blocks)} blocks, "
+            f"{self.tokenizer.num_groups} groups of {self.tokenizer.group_size} points, readout {self.readout})"
+        )
 
     def no_weight_decay(self) -> set[str]:
         names = {f"tokenizer.{n}" for n in self.tokenizer.no_weight_decay()}
