@@ -7,10 +7,11 @@ before block 0, ``rotate``/``widen``/``score``/``values`` inside each attention,
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Collection
 
 import torch
 from torch import Tensor, nn
+from torch.utils.checkpoint import checkpoint
 
 import vlpe
 from vlpe.attention import Attention, Backend
@@ -119,16 +120,34 @@ class Encoder(nn.Module):
             for i in range(depth)
         )
         self.norm = nn.LayerNorm(dim, eps=1e-6)
+        self.grad_checkpointing = False  # recompute each block in backward (activation memory of one block)
 
     def forward(self, x: Tensor, pos: vlpe.Positions) -> Tensor:
         """Tokens ``(B, N, C)`` at ``pos`` -> normalised tokens ``(B, N, C)``."""
+        return self.norm(self.run(x, pos)[0])
+
+    def run(
+        self, x: Tensor, pos: vlpe.Positions, *, take: Collection[int] = (), last: int | None = None
+    ) -> tuple[Tensor, list[Tensor]]:
+        """Blocks ``0 .. last`` (all by default) without the final norm: the tokens after block ``last``
+        ``(B, N, C)`` and, for each index in ``take`` (ascending), the tokens after that block and its ``mix``
+        (what the next block reads)."""
         enc = self.encoding
         ctx = enc.prepare(pos)  # tables for every layer, built once
         x = enc.embed(x, ctx)
+        stop = len(self.blocks) - 1 if last is None else last
+        taken: list[Tensor] = []
         for layer, block in enumerate(self.blocks):
-            x = block(x, enc=enc, ctx=ctx, layer=layer)
+            if layer > stop:
+                break
+            if self.grad_checkpointing and torch.is_grad_enabled():
+                x = checkpoint(block, x, enc=enc, ctx=ctx, layer=layer, use_reentrant=False)
+            else:
+                x = block(x, enc=enc, ctx=ctx, layer=layer)
             x = enc.mix(x, ctx, layer)
-        return self.norm(x)
+            if layer in take:
+                taken.append(x)
+        return x, taken
 
     def no_weight_decay(self) -> set[str]:
         return {f"encoding.{n}" for n in self.encoding.no_weight_decay()}

@@ -5,16 +5,25 @@ a convolutional patch tokenizer that emits explicit :class:`vlpe.Positions`, CLS
 readout. The encoding's tables are built once per forward (``enc.prepare``) and shared by every block;
 its hooks run at the fixed points of :mod:`vlpe.encodings.base`.
 
-Registered in timm as ``vlpe_vit_{tiny,small,base}_patch{4,8,16}_{28,32,224}`` (importing ``models``
-registers them)::
+It has timm's model API (``forward_features`` -> tokens, ``forward_head(pre_logits=)``,
+``forward_intermediates``, ``get_classifier`` / ``reset_classifier``, ``prune_intermediate_layers``,
+``set_grad_checkpointing``, ``group_matcher``) and the Hub's (``save_pretrained`` / ``from_pretrained``,
+:mod:`models.hub`). Importing this module registers it in timm as
+``vlpe_vit_{tiny,small,base,micro}_patch{16_224,8_224,4_32,4_28}`` (encoding by keyword) and, for every
+registered encoding that runs on a 2D grid, ``<that name>_<encoding>`` (the encoding fixed by the name, which
+is how open_clip's ``timm_model_name`` picks one)::
 
     model = timm.create_model("vlpe_vit_small_patch16_224", encoding="lookhere")
+    model = timm.create_model("vlpe_vit_small_patch16_224_lookhere", features_only=True, out_indices=(-2, -1))
+    model = timm.create_model("vlpe_vit_small_patch16_224", pretrained=True, num_classes=10,
+                              pretrained_cfg_overlay=dict(file="run/model.safetensors", num_classes=10))
 """
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Any, Literal, Sequence
 
+import torch
 from torch import Tensor, nn
 
 import vlpe
@@ -22,8 +31,9 @@ from vlpe.attention import Backend
 from vlpe.tokenizers import ImageTokenizer
 
 from .blocks import Encoder, readout
+from .hub import HubMixin
 
-__all__ = ["ViT", "PRESETS", "vit"]
+__all__ = ["ViT", "PRESETS", "vit", "grid_encodings"]
 
 PRESETS: dict[str, dict[str, int]] = {
     "tiny": dict(embed_dim=192, depth=12, num_heads=3),
@@ -34,16 +44,36 @@ PRESETS: dict[str, dict[str, int]] = {
     "nano": dict(embed_dim=64, depth=2, num_heads=4),
 }
 
+# pooling names: vlpe's readout and timm's global_pool for the same thing
+_POOL_TO_READOUT = {"cls": "cls", "gap": "gap", "none": "none", "token": "cls", "avg": "gap", "": "none"}
+_READOUT_TO_POOL = {"cls": "token", "gap": "avg", "none": ""}
 
-class ViT(nn.Module):
+
+def _readout_of(pool: str, *, what: str) -> str:
+    if not isinstance(pool, str) or pool not in _POOL_TO_READOUT:
+        raise ValueError(
+            f"{what} must be one of 'cls'/'token' (the class token), 'gap'/'avg' (mean of the patch tokens) or "
+            f"'none'/'' (no pooling: every token to the head), got {pool!r}"
+        )
+    return _POOL_TO_READOUT[pool]
+
+
+class ViT(nn.Module, HubMixin):
     """Vision transformer with a pluggable vlpe position encoding.
 
     Args:
         img_size: nominal training size (recorded; any size works at test time).
         encoding: a registered encoding name (``vlpe.encodings.available()``).
         encoding_options: options for that encoding (``depth``/``num_axes`` are filled in).
-        readout: ``"cls"`` (CLS token, one prefix token) or ``"gap"`` (mean of the valid patch tokens).
+        readout: pooling for the head: ``"cls"`` (the class token), ``"gap"`` (mean of the valid patch
+            tokens) or ``"none"`` (no pooling: the head runs on every token). timm's names ``token`` /
+            ``avg`` / ``''`` are accepted too.
+        class_token: prepend a learned class token; default: with ``readout="cls"`` only.
         num_registers: extra prefix tokens after CLS.
+        drop_rate: dropout before the head (timm's ``drop_rate``).
+
+    The timm methods follow ``timm.models.VisionTransformer`` (1.0.31) and are checked against it in
+    ``tests/test_integration_timm.py`` (same outputs, shapes and feature info for the same call).
     """
 
     def __init__(
@@ -60,22 +90,29 @@ class ViT(nn.Module):
         qkv_bias: bool = True,
         encoding: str = "rope",
         encoding_options: dict[str, Any] | None = None,
-        readout: Literal["cls", "gap"] = "cls",
+        readout: Literal["cls", "gap", "none"] = "cls",
+        class_token: bool | None = None,
         num_registers: int = 0,
+        drop_rate: float = 0.0,
         drop_path_rate: float = 0.0,
         layer_scale: float | None = None,
         backend: Backend = "sdpa",
         fit: Literal["raise", "crop", "pad"] = "crop",
     ) -> None:
         super().__init__()
-        if readout not in ("cls", "gap"):
-            raise ValueError(f"readout must be 'cls' or 'gap', got {readout!r}")
+        mode = _readout_of(readout, what="readout")
+        self.has_class_token = mode == "cls" if class_token is None else bool(class_token)
+        if mode == "cls" and not self.has_class_token:
+            raise ValueError("readout='cls' needs the class token; pass class_token=True (or leave it unset)")
+        if not isinstance(num_classes, int) or num_classes < 0:
+            raise ValueError(f"num_classes must be an int >= 0 (0: no head), got {num_classes!r}")
         self.img_size = (img_size, img_size) if isinstance(img_size, int) else tuple(img_size)
         self.patch_size = patch_size
+        self.in_chans = in_chans
         self.num_classes = num_classes
-        self.embed_dim = embed_dim
-        self.readout = readout
-        self.num_prefix = (1 if readout == "cls" else 0) + num_registers
+        self.embed_dim = self.num_features = self.head_hidden_size = embed_dim
+        self.readout = mode
+        self.num_prefix = int(self.has_class_token) + num_registers
         self.tokenizer = ImageTokenizer(
             dim=embed_dim, patch_size=patch_size, in_chans=in_chans, num_prefix=self.num_prefix, fit=fit
         )
@@ -95,7 +132,12 @@ class ViT(nn.Module):
             layer_scale=layer_scale,
             backend=backend,
         )
+        self.head_drop = nn.Dropout(drop_rate)
         self.head = nn.Linear(embed_dim, num_classes) if num_classes > 0 else nn.Identity()
+        # timm's feature metadata: one entry per block, stride = patch size
+        self.feature_info = [
+            dict(module=f"encoder.blocks.{i}", num_chs=embed_dim, reduction=patch_size) for i in range(depth)
+        ]
         # the encoding keeps its own initialisation (zero-init tables, frequency inits)
         self.encoder.blocks.apply(self._init_weights)
         self.head.apply(self._init_weights)
@@ -111,6 +153,20 @@ class ViT(nn.Module):
     def grid_size(self) -> tuple[int, int]:
         return (self.img_size[0] // self.patch_size, self.img_size[1] // self.patch_size)
 
+    @property
+    def num_prefix_tokens(self) -> int:
+        """timm's name for :attr:`num_prefix` (class token + registers)."""
+        return self.num_prefix
+
+    @property
+    def global_pool(self) -> str:
+        """The head's pooling in timm's vocabulary (``token`` / ``avg`` / ``''``)."""
+        return _READOUT_TO_POOL[self.readout]
+
+    @property
+    def encoding(self) -> vlpe.encodings.Encoding:
+        return self.encoder.encoding
+
     def set_input_size(self, img_size: int | tuple[int, int] | None = None, patch_size: int | None = None) -> None:
         """timm API. Positions come from each input, so this only records the nominal size."""
         if patch_size is not None and patch_size != self.patch_size:
@@ -122,21 +178,158 @@ class ViT(nn.Module):
         names = {f"tokenizer.{n}" for n in self.tokenizer.no_weight_decay()}
         return names | {f"encoder.{n}" for n in self.encoder.no_weight_decay()}
 
-    @property
-    def encoding(self) -> vlpe.encodings.Encoding:
-        return self.encoder.encoding
+    # ------------------------------------------------------------------ timm model API
+    def get_classifier(self) -> nn.Module:
+        return self.head
 
-    def forward_features(self, images: Tensor | list[Tensor]) -> tuple[Tensor, vlpe.Positions]:
-        """Tokens after the final norm ``(B, N, C)`` and their positions."""
+    def reset_classifier(self, num_classes: int, global_pool: str | None = None) -> None:
+        """A new (freshly initialised) head for ``num_classes`` (0: none), optionally with new pooling."""
+        if not isinstance(num_classes, int) or num_classes < 0:
+            raise ValueError(f"num_classes must be an int >= 0 (0: no head), got {num_classes!r}")
+        if global_pool is not None:
+            mode = _readout_of(global_pool, what="global_pool")
+            if mode == "cls" and not self.has_class_token:
+                raise ValueError("global_pool='token' needs the class token; this model was built without one")
+            self.readout = mode
+        ref = self.tokenizer.proj.weight
+        self.num_classes = num_classes
+        if num_classes > 0:
+            self.head = nn.Linear(self.embed_dim, num_classes, device=ref.device, dtype=ref.dtype)
+            self._init_weights(self.head)
+        else:
+            self.head = nn.Identity()
+        self.head.train(self.training)
+        self._record_config(num_classes=num_classes, readout=self.readout, class_token=self.has_class_token)
+
+    def set_grad_checkpointing(self, enable: bool = True) -> None:
+        self.encoder.grad_checkpointing = bool(enable)
+
+    def group_matcher(self, coarse: bool = False) -> dict[str, Any]:
+        """Parameter groups for layer-wise learning-rate decay and partial freezing (timm's ViT grouping)."""
+        del coarse  # one group per block either way, as timm's ViT
+        return dict(
+            stem=r"^tokenizer|^encoder\.encoding",
+            blocks=[(r"^encoder\.blocks\.(\d+)", None), (r"^encoder\.norm", (99999,))],
+        )
+
+    def forward_features(
+        self, images: Tensor | list[Tensor], *, return_positions: bool = False
+    ) -> Tensor | tuple[Tensor, vlpe.Positions]:
+        """Tokens after the final norm ``(B, N, C)`` (and their positions with ``return_positions=True``).
+
+        A list of images of different sizes is padded to the longest; its positions (``pos.valid``) are
+        needed to pool it, so it must be asked for with ``return_positions=True`` (then pass ``pos=`` to
+        :meth:`forward_head`).
+        """
         x, pos = self.tokenizer(images)  # (B, N, C)
-        return self.encoder(x, pos), pos
+        if pos.valid is not None and not return_positions:
+            raise ValueError(
+                "forward_features got images of different sizes (a padded batch); call it with "
+                "return_positions=True and pass pos= to forward_head"
+            )
+        x = self.encoder(x, pos)
+        return (x, pos) if return_positions else x
 
-    def forward_head(self, x: Tensor, pos: vlpe.Positions) -> Tensor:
-        return self.head(readout(x, pos, self.readout))
+    def pool(self, x: Tensor, *, pos: vlpe.Positions | None = None, pool_type: str | None = None) -> Tensor:
+        """``(B, N, C)`` tokens -> ``(B, C)`` (or the tokens themselves for ``none``)."""
+        mode = self.readout if pool_type is None else _readout_of(pool_type, what="pool_type")
+        if mode == "none":
+            return x
+        if pos is not None:
+            return readout(x, pos, mode)
+        return x[:, 0] if mode == "cls" else x[:, self.num_prefix :].mean(dim=1)  # (B, C)
+
+    def forward_head(self, x: Tensor, pre_logits: bool = False, *, pos: vlpe.Positions | None = None) -> Tensor:
+        """Pooled features through the head; ``pre_logits=True`` stops before the classifier."""
+        x = self.head_drop(self.pool(x, pos=pos))
+        return x if pre_logits else self.head(x)
 
     def forward(self, images: Tensor | list[Tensor]) -> Tensor:
-        x, pos = self.forward_features(images)
-        return self.forward_head(x, pos)
+        x, pos = self.forward_features(images, return_positions=True)
+        return self.forward_head(x, pos=pos)
+
+    def _take_indices(self, indices: int | Sequence[int] | None) -> list[int]:
+        """timm's ``feature_take_indices``: None -> every block, n -> the last n, a sequence -> those (negative
+        from the end); ``ValueError`` outside ``[0, depth)``."""
+        depth = len(self.encoder.blocks)
+        if indices is None:
+            return list(range(depth))
+        if isinstance(indices, int):
+            if not 0 < indices <= depth:
+                raise ValueError(f"indices={indices}: the last n blocks needs 1 <= n <= {depth}")
+            return list(range(depth - indices, depth))
+        take = []
+        for i in indices:
+            if not isinstance(i, int) or not -depth <= i < depth:
+                raise ValueError(f"block index {i!r} is outside the model's {depth} blocks")
+            take.append(depth + i if i < 0 else i)
+        if not take:
+            raise ValueError("indices is empty; pass None for every block")
+        return take
+
+    def forward_intermediates(
+        self,
+        x: Tensor | list[Tensor],
+        indices: int | Sequence[int] | None = None,
+        return_prefix_tokens: bool = False,
+        norm: bool = False,
+        stop_early: bool = False,
+        output_fmt: str = "NCHW",
+        intermediates_only: bool = False,
+        output_dict: bool = False,
+    ) -> list[Tensor] | tuple[Tensor, list[Tensor]] | dict[str, Any]:
+        """timm's ``forward_intermediates``: the tokens after the chosen blocks, as ``(B, C, h, w)`` maps
+        (``NCHW``) or ``(B, h*w, C)`` (``NLC``; a padded list of different sizes needs ``NLC``), prefix
+        tokens split off (``return_prefix_tokens``: ``(tokens, prefix)`` pairs); with the final normed tokens
+        unless ``intermediates_only``."""
+        fmt = getattr(output_fmt, "value", output_fmt)
+        if fmt not in ("NCHW", "NLC"):
+            raise ValueError(f"output_fmt must be 'NCHW' or 'NLC', got {output_fmt!r}")
+        take = self._take_indices(indices)
+        tokens, pos = self.tokenizer(x)  # (B, P + N, C)
+        if fmt == "NCHW" and pos.grid is None:
+            raise ValueError("output_fmt='NCHW' needs one image size per batch; use 'NLC' for mixed sizes")
+        final, inter = self.encoder.run(tokens, pos, take=set(take), last=max(take) if stop_early else None)
+        if norm:
+            inter = [self.encoder.norm(t) for t in inter]
+        P = self.num_prefix
+        prefix = [t[:, :P] for t in inter] if P else None  # (B, P, C) each
+        inter = [t[:, P:] for t in inter]  # (B, N, C) each
+        if fmt == "NCHW":
+            h, w = pos.grid
+            inter = [t.reshape(t.shape[0], h, w, -1).permute(0, 3, 1, 2).contiguous() for t in inter]  # (B, C, h, w)
+        if output_dict:
+            out: dict[str, Any] = {"image_intermediates": inter}
+            if prefix is not None and return_prefix_tokens:
+                out["image_intermediates_prefix"] = prefix
+            if not intermediates_only:
+                out["image_features"] = self.encoder.norm(final)
+            return out
+        if return_prefix_tokens and prefix is not None:
+            inter = list(zip(inter, prefix))
+        if intermediates_only:
+            return inter
+        return self.encoder.norm(final), inter
+
+    def prune_intermediate_layers(
+        self, indices: int | Sequence[int] = 1, prune_norm: bool = False, prune_head: bool = True
+    ) -> list[int]:
+        """Drop the blocks after the last of ``indices`` (and the final norm / the head); returns the indices."""
+        take = self._take_indices(indices)
+        self.encoder.blocks = self.encoder.blocks[: max(take) + 1]
+        if prune_norm:
+            self.encoder.norm = nn.Identity()
+        if prune_head:
+            self.reset_classifier(0, "")
+        self._unsaveable = "its blocks were pruned (prune_intermediate_layers); save the unpruned model"
+        return take
+
+    def _card_architecture(self) -> str:
+        depth, heads = len(self.encoder.blocks), self.encoder.blocks[0].attn.num_heads
+        return (
+            f"ViT (width {self.embed_dim}, {depth} blocks, {heads} heads, patch {self.patch_size}, trained at "
+            f"{self.img_size[0]}x{self.img_size[1]} px, readout {self.readout})"
+        )
 
 
 def vit(preset: str = "small", **kwargs: Any) -> ViT:
@@ -146,35 +339,131 @@ def vit(preset: str = "small", **kwargs: Any) -> ViT:
     return ViT(**{**PRESETS[preset], **kwargs})
 
 
+def grid_encodings() -> list[str]:
+    """Registered encodings that run on a 2D image grid (every one whose ``supported_axes`` allows 2)."""
+    out = []
+    for name in vlpe.encodings.available():
+        axes = vlpe.encodings.get(name).supported_axes
+        if axes is None or 2 in axes:
+            out.append(name)
+    return out
+
+
 # --------------------------------------------------------------------------- timm registration
+TIMM_PRESETS = ("tiny", "small", "base", "micro")
+TIMM_SIZES = ((16, 224), (8, 224), (4, 32), (4, 28))  # (patch, image size)
+default_cfgs: dict[str, Any] = {}  # timm reads the pretrained cfgs of this module's entry points from here
+
+
+def _timm_kwargs(kwargs: dict[str, Any], *, arch: str) -> dict[str, Any]:
+    """timm's ViT keywords in vlpe's terms: ``global_pool`` -> ``readout``, ``reg_tokens`` -> ``num_registers``;
+    ``dynamic_img_size`` is accepted (every vlpe ViT takes any size, positions come from each input)."""
+    kwargs = dict(kwargs)
+    if "global_pool" in kwargs:
+        if "readout" in kwargs:
+            raise ValueError(f"{arch}: pass readout or global_pool, not both")
+        kwargs["readout"] = _readout_of(kwargs.pop("global_pool"), what="global_pool")
+    if "reg_tokens" in kwargs:
+        if "num_registers" in kwargs:
+            raise ValueError(f"{arch}: pass num_registers or reg_tokens, not both")
+        kwargs["num_registers"] = kwargs.pop("reg_tokens")
+    dynamic = kwargs.pop("dynamic_img_size", True)
+    if not isinstance(dynamic, bool):
+        raise ValueError(f"{arch}: dynamic_img_size must be a bool, got {dynamic!r}")
+    return kwargs
+
+
+def _checkpoint_filter(state_dict: dict[str, Tensor], model: nn.Module) -> dict[str, Tensor]:
+    """A training run's export (``train/``: keys under ``backbone.``) loads like a bare ViT state dict."""
+    del model
+    if state_dict and all(k.startswith("backbone.") for k in state_dict):
+        return {k[len("backbone.") :]: v for k, v in state_dict.items()}
+    return state_dict
+
+
+def _has_weights(variant: str, kwargs: dict[str, Any]) -> bool:
+    from timm.models import resolve_pretrained_cfg
+
+    cfg = resolve_pretrained_cfg(
+        variant, pretrained_cfg=kwargs.get("pretrained_cfg"), pretrained_cfg_overlay=kwargs.get("pretrained_cfg_overlay")
+    ).to_dict()
+    return any(cfg.get(k) for k in ("file", "state_dict", "url", "hf_hub_id"))
+
+
+def _create(variant: str, *, preset: str, patch: int, size: int, fixed: str | None, pretrained: bool, **kwargs):
+    from timm.models import build_model_with_cfg
+
+    if pretrained and not _has_weights(variant, kwargs):
+        raise ValueError(
+            f"{variant} has no pretrained weights to download; load your own with pretrained=True, "
+            "pretrained_cfg_overlay=dict(file=<checkpoint>, num_classes=<its classes>)"
+        )
+    kwargs = _timm_kwargs(kwargs, arch=variant)
+    if fixed is not None and kwargs.setdefault("encoding", fixed) != fixed:
+        base = variant[: -len(fixed) - 1]
+        raise ValueError(
+            f"{variant} is the {fixed!r} encoding; for encoding={kwargs['encoding']!r} use {base} or "
+            f"{base}_{kwargs['encoding']}"
+        )
+    kwargs.setdefault("img_size", size)
+    kwargs.setdefault("patch_size", patch)
+    out_indices = kwargs.pop("out_indices", 3)  # features_only: the last 3 blocks, as timm's ViTs
+    model = build_model_with_cfg(
+        lambda **kw: vit(preset, **kw),
+        variant,
+        pretrained,
+        pretrained_filter_fn=_checkpoint_filter,
+        feature_cfg=dict(feature_cls="getter", out_indices=out_indices),
+        **kwargs,
+    )
+    if isinstance(model, ViT):  # whether the class token exists is not implied by the pooling timm records
+        model._model_args = {"class_token": model.has_class_token}
+    return model
+
+
 def _register_timm() -> None:
     try:
-        from timm.models import register_model
+        import timm
+        from timm.models import generate_default_cfgs, register_model
     except ImportError:  # timm is optional for the library
         return
 
-    def make(preset: str, patch: int, size: int):
+    def make(preset: str, patch: int, size: int, encoding: str | None):
+        name = f"vlpe_vit_{preset}_patch{patch}_{size}" + (f"_{encoding}" if encoding else "")
+
         def entry(pretrained: bool = False, **kwargs: Any) -> ViT:
-            if pretrained:
-                raise ValueError("vlpe ViTs have no pretrained weights to download; load a checkpoint instead")
-            for k in ("pretrained_cfg", "pretrained_cfg_overlay", "cache_dir", "features_only"):
-                kwargs.pop(k, None)
-            kwargs.setdefault("img_size", size)
-            kwargs.setdefault("patch_size", patch)
-            return vit(preset, **kwargs)
+            return _create(name, preset=preset, patch=patch, size=size, fixed=encoding, pretrained=pretrained, **kwargs)
 
-        entry.__name__ = f"vlpe_vit_{preset}_patch{patch}_{size}"
-        entry.__doc__ = f"vlpe ViT-{preset}/{patch} at {size}px; pass encoding='<name>' (default rope)."
+        entry.__name__ = entry.__qualname__ = name
+        which = f"the {encoding} encoding" if encoding else "encoding='<name>' (default rope)"
+        entry.__doc__ = f"vlpe ViT-{preset}/{patch} at {size} px with {which}; no pretrained weights."
         entry.__module__ = __name__
-        return entry
+        cfg = dict(
+            url="",
+            num_classes=1000,
+            input_size=(3, size, size),
+            pool_size=None,
+            crop_pct=1.0,
+            interpolation="bicubic",
+            fixed_input_size=False,
+            mean=(0.0, 0.0, 0.0),  # the vlpe harness feeds [0, 1] pixels, unnormalised
+            std=(1.0, 1.0, 1.0),
+            first_conv="tokenizer.proj",
+            classifier="head",
+            license="apache-2.0",
+        )
+        return name, entry, cfg
 
-    import timm
-
-    for preset in ("tiny", "small", "base"):
-        for patch, size in ((16, 224), (8, 224), (4, 32), (4, 28)):
-            fn = make(preset, patch, size)
-            if not timm.is_model(fn.__name__):
-                globals()[fn.__name__] = register_model(fn)
+    made = [
+        make(preset, patch, size, encoding)
+        for preset in TIMM_PRESETS
+        for patch, size in TIMM_SIZES
+        for encoding in (None, *grid_encodings())
+    ]
+    default_cfgs.update(generate_default_cfgs({name: cfg for name, _, cfg in made}))
+    for name, entry, _ in made:
+        if not timm.is_model(name):
+            globals()[name] = register_model(entry)
 
 
 _register_timm()

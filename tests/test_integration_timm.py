@@ -71,3 +71,142 @@ def test_convert_eva_and_bad_input():
         vt.convert(torch.nn.Linear(3, 3), "rope")
     with pytest.raises(ValueError, match="unknown encoding"):
         vt.convert(_timm_vit(), "ropee")
+
+
+# --------------------------------------------------------------------------- the timm model API of vlpe ViTs
+def _pair(global_pool="token", reg_tokens=0, **kw):
+    """A stock timm ViT without position embedding and a vlpe ``nope`` ViT holding the same weights."""
+    dims = dict(img_size=32, patch_size=8, embed_dim=32, depth=3, num_heads=2, num_classes=5)
+    torch.manual_seed(0)
+    ref = timm.create_model(
+        "vit_base_patch16_224", pos_embed="none", dynamic_img_size=True, global_pool=global_pool,
+        reg_tokens=reg_tokens, fc_norm=False, **dims, **kw,
+    ).eval()
+    ours = timm.create_model(
+        "vlpe_vit_tiny_patch8_224", encoding="nope", global_pool=global_pool, reg_tokens=reg_tokens,
+        class_token=True, **dims, **kw,
+    ).eval()
+    sd = ref.state_dict()
+    prefix = [sd.pop(k) for k in ("cls_token", "reg_token") if k in sd]
+    mapped = {"tokenizer.prefix.tokens": torch.cat(prefix, dim=1)}
+    for k, v in sd.items():
+        k = k.replace("patch_embed.proj", "tokenizer.proj")
+        k = "encoder." + k if k.startswith(("blocks.", "norm.")) else k
+        mapped[k] = v
+    ours.load_state_dict(mapped)
+    return ref, ours
+
+
+@pytest.mark.parametrize("global_pool,reg_tokens", [("token", 0), ("avg", 2), ("", 1)])
+def test_vit_forward_api_matches_stock_timm_vit(global_pool, reg_tokens):
+    """forward_features is a tensor, forward_head(pre_logits=) and the pooling are timm's, at any size."""
+    ref, ours = _pair(global_pool, reg_tokens)
+    assert ours.global_pool == ref.global_pool and ours.num_prefix_tokens == ref.num_prefix_tokens
+    for size in ((32, 32), (48, 24)):
+        x = torch.randn(2, 3, *size)
+        with torch.no_grad():
+            f, f_ref = ours.forward_features(x), ref.forward_features(x)
+            assert isinstance(f, torch.Tensor)
+            torch.testing.assert_close(f, f_ref, rtol=0, atol=2e-5)
+            torch.testing.assert_close(ours.forward_head(f, pre_logits=True), ref.forward_head(f_ref, pre_logits=True), rtol=0, atol=2e-5)
+            torch.testing.assert_close(ours(x), ref(x), rtol=0, atol=2e-5)
+    feats, pos = ours.forward_features(x, return_positions=True)
+    assert pos.prefix == 1 + reg_tokens and torch.equal(feats, ours.forward_features(x))
+
+
+@pytest.mark.parametrize("kw", [
+    dict(indices=None), dict(indices=2), dict(indices=[0, -1], norm=True),
+    dict(indices=[1], return_prefix_tokens=True, output_fmt="NLC"), dict(indices=[0], stop_early=True),
+    dict(indices=[-2, -1], output_dict=True, return_prefix_tokens=True),
+    dict(indices=1, intermediates_only=True),
+])
+def test_forward_intermediates_matches_stock_timm_vit(kw):
+    ref, ours = _pair("token", 1)
+    x = torch.randn(2, 3, 40, 24)
+    with torch.no_grad():
+        got, want = ours.forward_intermediates(x, **kw), ref.forward_intermediates(x, **kw)
+    torch.testing.assert_close(got, want, rtol=0, atol=2e-5)
+
+
+def test_features_only_matches_stock_timm_vit():
+    """features_only=True: timm's FeatureGetterNet over the chosen blocks (not logits), NCHW maps, feature_info."""
+    kw = dict(img_size=32, patch_size=8, embed_dim=32, depth=3, num_heads=2)
+    ours = timm.create_model("vlpe_vit_tiny_patch8_224", encoding="lookhere", features_only=True, out_indices=(0, -1), **kw)
+    ref = timm.create_model("vit_base_patch16_224", features_only=True, out_indices=(0, -1), dynamic_img_size=True, **kw)
+    assert type(ours) is type(ref)
+    assert ours.feature_info.channels() == ref.feature_info.channels() == [32, 32]
+    assert ours.feature_info.reduction() == ref.feature_info.reduction() == [8, 8]
+    assert len(ours.model.encoder.blocks) == len(ref.model.blocks) == 3  # pruned after the last index
+    with torch.no_grad():
+        out = ours(torch.randn(1, 3, 40, 56))
+    assert [tuple(t.shape) for t in out] == [(1, 32, 5, 7)] * 2
+    default = timm.create_model("vlpe_vit_micro_patch4_28", features_only=True)
+    assert default.feature_info.module_name() == [f"encoder.blocks.{i}" for i in (1, 2, 3)]  # the last 3, as timm
+
+
+def test_classifier_reset_and_timm_constructor_keywords():
+    ref, ours = _pair("token")
+    for m in (ref, ours):
+        m.reset_classifier(7, "avg")
+    assert ours.get_classifier().out_features == 7 and ours.global_pool == ref.global_pool == "avg"
+    with torch.no_grad():
+        ours.head.load_state_dict(ref.head.state_dict())
+        x = torch.randn(2, 3, 32, 32)
+        torch.testing.assert_close(ours(x), ref(x), rtol=0, atol=2e-5)
+    ours.reset_classifier(0, "")
+    assert isinstance(ours.get_classifier(), torch.nn.Identity)
+    with torch.no_grad():
+        assert ours(x).shape == (2, 17, 32)  # no pooling, no head: every token, as timm's global_pool=''
+    gap = timm.create_model("vlpe_vit_micro_patch4_28", global_pool="avg")  # vlpe's gap: no class token
+    assert gap.num_prefix_tokens == 0
+    with pytest.raises(ValueError, match="class token"):
+        gap.reset_classifier(3, "token")
+    with pytest.raises(ValueError, match="global_pool must be one of"):
+        timm.create_model("vlpe_vit_micro_patch4_28", global_pool="map")
+    with pytest.raises(ValueError, match="lookhere"):
+        timm.create_model("vlpe_vit_micro_patch4_28_lookhere", encoding="rope")
+    with pytest.raises(ValueError, match="outside"):
+        ours.forward_intermediates(x, indices=[3])
+
+
+def test_grad_checkpointing_and_group_matcher():
+    from timm.models import group_parameters
+
+    m = timm.create_model("vlpe_vit_micro_patch4_28", encoding="rope_mixed", drop_path_rate=0.1)
+    x = torch.randn(2, 3, 28, 28)
+    grads = []
+    for enable in (False, True):
+        m.set_grad_checkpointing(enable)
+        m.zero_grad()
+        torch.manual_seed(0)
+        m(x).sum().backward()
+        grads.append([p.grad.clone() for p in m.parameters()])
+    for a, b in zip(*grads):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-6)
+    groups = group_parameters(m, m.group_matcher())
+    assert len(groups) == 1 + 4 + 1  # stem (tokenizer + encoding), one per block, the final norm (+ head)
+
+
+def test_save_for_hf_and_pretrained_file_round_trip(tmp_path):
+    """timm's own export and loaders: save_for_hf -> local-dir:, and pretrained=True from a checkpoint file."""
+    from timm.models import save_for_hf
+    import safetensors.torch
+
+    m = timm.create_model("vlpe_vit_micro_patch4_28_lookhere", num_classes=4, reg_tokens=1).eval()
+    m.reset_classifier(4, "avg")  # the class token stays: the export says so
+    save_for_hf(m, tmp_path / "hf", safe_serialization=True)
+    x = torch.randn(2, 3, 28, 36)
+    back = timm.create_model(f"local-dir:{tmp_path / 'hf'}", pretrained=True).eval()
+    assert back.pretrained_cfg["architecture"] == "vlpe_vit_micro_patch4_28_lookhere"
+    with torch.no_grad():
+        assert torch.equal(back(x), m(x))
+    # a training run's export (keys under backbone.) through pretrained_cfg_overlay=dict(file=...)
+    run = tmp_path / "model.safetensors"
+    safetensors.torch.save_file({f"backbone.{k}": v for k, v in m.state_dict().items()}, run)
+    again = timm.create_model(
+        "vlpe_vit_micro_patch4_28_lookhere", pretrained=True, reg_tokens=1, global_pool="avg", class_token=True,
+        pretrained_cfg_overlay=dict(file=str(run), num_classes=4),
+    ).eval()
+    with torch.no_grad():
+        assert torch.equal(again(x), m(x))
+    assert again.pretrained_cfg["num_classes"] == 4 and again.default_cfg is again.pretrained_cfg
