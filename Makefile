@@ -14,8 +14,9 @@ demo: setup
 test: setup
 	$(PY) -m pytest -n 2 -q tests
 
+# make bench FAMILY=vit runs one family (vit, vlm or points); finished runs are reused
 bench: setup
-	$(PY) eval/report.py --suite
+	$(PY) eval/report.py --suite $(if $(FAMILY),--families $(FAMILY))
 
 clean:
 	rm -rf outputs runs .pytest_cache

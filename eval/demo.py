@@ -1,19 +1,21 @@
 """The main job (``make demo``): train, then test beyond the training distribution, on embedded real data.
 
-    python eval/demo.py                      # ~15 min on 2 idle cores; a second run reuses the finished runs
+    python eval/demo.py                      # a few minutes on 2 idle cores; a second run reuses the finished runs
     python eval/demo.py --fresh              # train and evaluate again
     python eval/demo.py --vit rope pape      # other ViT encodings (configs/vit_<name>.yaml)
 
 What it does, with progress bars throughout:
 
 1. trains two ViTs on Fashion-MNIST at the base resolution (28 px, ``configs/vit_rope.yaml`` and
-   ``configs/vit_lookhere.yaml`` by default: LookHere's headline claim is extrapolation beyond 2D RoPE), the
+   ``configs/vit_lookhere.yaml`` by default: LookHere's headline claim is extrapolation beyond 2D RoPE) with the
+   benchmark's ViT protocol (:data:`protocols.VIT`: the same model, batch and learning rate) for fewer steps, the
    two runs side by side, one core each;
-2. trains the small VLM of ``configs/mrope_i.yaml`` (MRoPE-Interleave decoder) on V-NIAH at 8 frames, launched
-   with ``deepspeed`` (one CPU rank here, gloo; the first launch on a machine compiles DeepSpeed's shared-memory
-   communication op, about 90 s, cached afterwards);
+2. trains the small VLM of ``configs/mrope_i.yaml`` (MRoPE-Interleave decoder) with the benchmark's V-NIAH
+   protocol (:data:`protocols.VLM`, 8 frames, photo needles) for fewer steps, launched with ``deepspeed`` (one CPU
+   rank here, gloo; the first launch on a machine compiles DeepSpeed's shared-memory communication op, about
+   90 s, cached afterwards);
 3. evaluates the ViTs with the same weights at up to 4.57x the training resolution (``eval/resolution.py``, the
-   LookHere ratios) and the VLM on V-NIAH and V-NIAH-D up to 16x its training length (``eval/long_video.py``),
+   LookHere ratios) and the VLM on V-NIAH and V-NIAH-D up to 32x its training length (``eval/long_video.py``),
    printing the tables and saving the plots;
 4. runs the encoding property table and attention plots (``python -m vlpe.demo``).
 
@@ -175,22 +177,29 @@ def _stamp(run: Path) -> list:
     return [str(run), w.stat().st_mtime_ns, w.stat().st_size]
 
 
+def _protocol_overrides(train: Sequence[str], steps_key: str = "train.steps") -> list[str]:
+    """A benchmark protocol's training overrides without its step counts (the demo sets its own)."""
+    return [o for o in train if not o.startswith((steps_key + "=", "train.warmup_steps=", "train.val_batches="))]
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     from data.transforms import LOOKHERE_RATIOS
+    from protocols import VIT, VLM
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
     p.add_argument("--out", type=Path, default=ROOT / "outputs" / "demo", help="output folder")
     p.add_argument("--vit", nargs="+", default=["rope", "lookhere"], help="ViT encodings (configs/vit_<name>.yaml)")
-    p.add_argument("--vit-steps", type=int, default=300, help="ViT training steps (batch 64)")
+    p.add_argument("--vit-steps", type=int, default=300, help="ViT training steps (batch 128)")
     p.add_argument("--vlm-config", type=Path, default=ROOT / "configs" / "mrope_i.yaml")
-    p.add_argument("--vlm-steps", type=int, default=500, help="VLM training steps (batch 32)")
+    p.add_argument("--vlm-steps", type=int, default=150, help="VLM training steps (batch 32)")
     p.add_argument("--launcher", choices=["deepspeed", "python"], default="deepspeed", help="how to start the VLM run")
     p.add_argument("--ratios", type=float, nargs="+", default=list(LOOKHERE_RATIOS), help="test/train size ratios")
-    p.add_argument("--limit", type=int, default=200, help="validation images per test size")
-    p.add_argument("--lengths", type=int, nargs="+", default=None, help="V-NIAH lengths (default 0.5x ... 16x)")
+    p.add_argument("--limit", type=int, default=500, help="validation images per test size")
+    p.add_argument("--lengths", type=int, nargs="+", default=[4, 8, 16, 32, 64, 128, 256],
+                   help="V-NIAH lengths (frames; trained at 8)")
     p.add_argument("--depths", type=float, nargs="+", default=None, help="needle depths (default 0, 0.2, ... 1)")
-    p.add_argument("--samples", type=int, default=10, help="needles per V-NIAH cell")
+    p.add_argument("--samples", type=int, default=6, help="needles per V-NIAH cell")
     p.add_argument("--vit-override", nargs="*", default=[], metavar="KEY=VALUE", help="extra ViT config overrides")
     p.add_argument("--vlm-override", nargs="*", default=[], metavar="KEY=VALUE", help="extra VLM config overrides")
     p.add_argument("--no-vlm", action="store_true", help="skip the VLM (training and V-NIAH)")
@@ -222,7 +231,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(f"[demo] 1/4 training ViTs ({', '.join(args.vit)}) on Fashion-MNIST at 28 px, {args.vit_steps} steps",
           flush=True)  # fmt: skip
     t0 = time.perf_counter()
-    vit_runs = train_vits(args.vit, steps=args.vit_steps, runs=runs, overrides=args.vit_override, fresh=args.fresh,
+    vit_over = [*_protocol_overrides(VIT.train), f"train.warmup_steps={max(1, args.vit_steps // 20)}",
+                "train.val_batches=4", *args.vit_override]  # fmt: skip
+    vit_runs = train_vits(args.vit, steps=args.vit_steps, runs=runs, overrides=vit_over, fresh=args.fresh,
                           progress=progress)  # fmt: skip
     phase("train_vit", t0)
     vlm_run = None
@@ -230,7 +241,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"[demo] 2/4 training the VLM ({args.vlm_config.name}) on V-NIAH, {args.vlm_steps} steps, "
               f"launcher {args.launcher}", flush=True)  # fmt: skip
         t0 = time.perf_counter()
-        vlm_run = train_vlm(config=args.vlm_config, steps=args.vlm_steps, runs=runs, overrides=args.vlm_override,
+        vlm_over = [*_protocol_overrides(VLM.train), "train.warmup_steps=10", "train.val_batches=2",
+                    *args.vlm_override]  # fmt: skip
+        vlm_run = train_vlm(config=args.vlm_config, steps=args.vlm_steps, runs=runs, overrides=vlm_over,
                             fresh=args.fresh, launcher=args.launcher, threads=cores)  # fmt: skip
         phase("train_vlm", t0)
 
@@ -257,7 +270,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         lv = None if args.fresh else _cached(folder, "long_video.json", settings)
         if lv is None:
             lv = [long_video.evaluate_run(vlm_run, args.lengths, args.depths, samples_per_cell=args.samples,
-                                          device="cpu", progress=progress)]  # fmt: skip
+                                          scorings=["teacher"], device="cpu", progress=progress)]  # fmt: skip
             long_video.write_report(lv, folder)
             (folder / "settings.json").write_text(json.dumps(settings))
         else:

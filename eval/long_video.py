@@ -1,7 +1,7 @@
 """Long-video retrieval: a trained VLM on V-NIAH and V-NIAH-D over a depth x length grid beyond its training length.
 
     python eval/long_video.py --run runs/vlm_mrope_i --run runs/vlm_videorope
-    python eval/long_video.py --run runs/vlm_mrope_i --lengths 4 8 16 32 64 128 --samples 10 --out results/long_video
+    python eval/long_video.py --run runs/vlm_mrope_i --lengths 4 8 16 32 64 128 --samples 10 --out outputs/long_video
 
 The protocol of LongVA's V-NIAH and VideoRoPE's V-NIAH-D (benchmarks-and-data.md A2, C3), on the small frames of
 :mod:`data.vniah`: for every video length ``L`` (frames) and needle depth ``d`` the needle frame sits at frame
@@ -435,7 +435,7 @@ def main(argv: Sequence[str] | None = None) -> list[dict]:
     p.add_argument("--scaling", nargs="+", default=["none"], choices=["none", *SCALINGS],
                    help="training-free time-axis scaling beyond the training length; several: one evaluation each")
     p.add_argument("--batch-size", type=int, default=32, help="batch at the training length (scaled down with length)")
-    p.add_argument("--out", default="results/long_video", help="output folder")
+    p.add_argument("--out", default="outputs/long_video", help="output folder")
     p.add_argument("--device", default="auto")
     p.add_argument("--no-progress", action="store_true")
     args = p.parse_args(argv)

@@ -180,7 +180,7 @@ def main(argv: Sequence[str] | None = None) -> list[dict]:
     p.add_argument("--rotations", nargs="+", default=["z", "so3"], choices=ROTATIONS)
     p.add_argument("--factors", type=int, nargs="+", default=[2, 4, 8], help="multiples of the training point count")
     p.add_argument("--grouping", default="tokens", choices=GROUPINGS)
-    p.add_argument("--out", default="results/points", help="output folder")
+    p.add_argument("--out", default="outputs/points", help="output folder")
     p.add_argument("--limit", type=int, default=None, help="evaluate the first N validation samples")
     p.add_argument("--samples-per-class", type=int, default=None,
                    help="test samples per class (default: the run's validation set)")

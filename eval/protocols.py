@@ -70,9 +70,9 @@ VIT = Protocol(
     seeds=5,
     train=(
         "model.preset=micro", "model.embed_dim=64", "model.depth=4", "model.num_heads=4", "model.patch_size=4",
-        "model.readout=cls", "model.label_smoothing=0.0", "data.dataset=fashion_mnist", "data.img_size=28",
+        "model.readout=cls", "model.label_smoothing=0.1", "data.dataset=fashion_mnist", "data.img_size=28",
         "data.train_limit=null", "data.val_limit=2000", "data.augment=false", "train.micro_batch=128",
-        "train.lr=0.003", "train.min_lr=1e-05", "train.weight_decay=0.05", "train.steps=900",
+        "train.lr=0.003", "train.min_lr=0.00001", "train.weight_decay=0.05", "train.steps=900",
         "train.warmup_steps=45", "train.val_batches=8",
     ),  # fmt: skip
     eval_args=("--limit", "1000"),
@@ -85,7 +85,7 @@ VIT = Protocol(
         "Model: a 4-block ViT of width 64 with 4 heads, patch 4 (a 7x7 grid + CLS; the 14x14 grid of the papers "
         "costs 4x per step and does not fit the CPU budget), CLS readout, the encoding's own defaults.",
         "Training: AdamW (weight decay 0.05), batch 128, lr 3e-3 with 45 warm-up steps and a cosine decay to 1e-5 "
-        "over 900 steps (1.9 epochs), fp32, one process per run.",
+        "over 900 steps (1.9 epochs), label smoothing 0.1, fp32, one process per run.",
         "Test: the same weights at the LookHere ratios 1, 1.43, 1.71, 2, 2.29, 3.43, 4.57 (28 ... 128 px, 7x7 ... "
         "32x32 patches); a test image is an antialiased bicubic resize of the whole 28 px image.",
         "Items: seed k is tested on test images 1000k ... 1000k+999 (5 seeds: 5,000 distinct images per cell).",

@@ -169,6 +169,9 @@ def readme_section(summary: dict[str, Any], claims: Sequence[dict], t: dict[str,
             lines += ["Not measured yet: run `make bench FAMILY=" + fam + "`.", ""]
             continue
         lines += [family_table(fam, s), "", figs[fam], ""]
+        conv = convergence(s)
+        if conv:
+            lines += [conv, ""]
     lines += ["### Do the measurements agree with the papers?", "",
               "Each claim is a paired difference of two rows (same seeds, same test items; `results/claims.json`). "
               "Verdict: `agrees` when the 95 % interval lies above 0, `disagrees` below, `unresolved` when it "
@@ -176,6 +179,27 @@ def readme_section(summary: dict[str, Any], claims: Sequence[dict], t: dict[str,
               "before the comparison and are not tuned toward any sign.", "", claims_table(claims), ""]  # fmt: skip
     lines += ["### Cost", "", _timing_text(t), ""]
     return "\n".join(lines).rstrip() + "\n"
+
+
+def convergence(s: dict[str, Any]) -> str:
+    """One sentence on how far training had converged: validation accuracy gained over the last quarter of the
+    steps (from each run's logged validation curve), per row and overall."""
+    gains: dict[str, list[float]] = {}
+    span = None
+    for row, by_seed in s.get("val_curves", {}).items():
+        for curve in by_seed.values():
+            end = curve[-1] if curve else None
+            earlier = [c for c in curve if end and c[0] <= 0.75 * end[0]]
+            if end and earlier:
+                gains.setdefault(row, []).append(100 * (end[1] - earlier[-1][1]))
+                span = (earlier[-1][0], end[0])
+    if not gains or span is None:
+        return ""
+    allg = [g for v in gains.values() for g in v]
+    worst = max(gains, key=lambda r: sum(gains[r]) / len(gains[r]))
+    return (f"Convergence: over the last quarter of training (steps {span[0]} to {span[1]}) the validation "
+            f"accuracy changed by {sum(allg) / len(allg):+.1f} points on average over {len(allg)} runs (largest: "
+            f"{worst}, {sum(gains[worst]) / len(gains[worst]):+.1f}).")  # fmt: skip
 
 
 def _timing_text(t: dict[str, Any]) -> str:

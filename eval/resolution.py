@@ -1,7 +1,7 @@
 """Resolution extrapolation: trained ViTs evaluated with the same weights, no fine-tuning, at larger test sizes.
 
     python eval/resolution.py --run runs/vit_rope --run runs/vit_lookhere
-    python eval/resolution.py --run runs/vit_rope --ratios 1 2 4.57 --limit 500 --out results/resolution
+    python eval/resolution.py --run runs/vit_rope --ratios 1 2 4.57 --limit 500 --out outputs/resolution
 
 The protocol of LookHere / RoPE-ViT / PaPE (benchmarks-and-data.md A1, C2): a model trained at size ``T`` is
 tested at ``T * r`` for the LookHere ratios ``r`` = 1, 1.43, 1.71, 2, 2.29, 3.43, 4.57 (224 -> 224 ... 1024),
@@ -301,7 +301,7 @@ def main(argv: Sequence[str] | None = None) -> list[dict]:
                    help="a train/vit.py out_dir (config.yaml + model.safetensors); repeat for several runs")
     p.add_argument("--ratios", type=float, nargs="+", default=list(LOOKHERE_RATIOS),
                    help="test size / training size (default the LookHere ratios 1 ... 4.57)")
-    p.add_argument("--out", default="results/resolution", help="output folder")
+    p.add_argument("--out", default="outputs/resolution", help="output folder")
     p.add_argument("--protocol", default="auto", choices=PROTOCOLS)
     p.add_argument("--crop-ratio", type=float, default=224 / 256, help="crop protocol: crop side / resized short side")
     p.add_argument("--limit", type=int, default=None, help="evaluate N validation images (from --offset)")

@@ -332,7 +332,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
     p.add_argument("--no-mm", action="store_true", help="skip the multimodal position-id comparison")
     p.add_argument("--mm-rounds", type=int, default=30)
     p.add_argument("--no-progress", action="store_true")
-    p.add_argument("--out", default="results/speed/speed.json")
+    p.add_argument("--out", default="outputs/speed/speed.json")
     args = p.parse_args(argv)
     try:
         configs = [tuple(int(v) for v in c.split(":")) for c in args.configs]

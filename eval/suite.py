@@ -88,7 +88,8 @@ def plan(families: Sequence[str], *, encodings: Sequence[str] | None = None, see
         n = p.seeds if seeds is None else int(seeds)
         if n < 1:
             raise ValueError(f"seeds must be >= 1, got {n}")
-        jobs += [Job(p, e, s, runs_dir, results_dir) for e in chosen for s in range(n)]
+        jobs += [Job(p, e, s, runs_dir, results_dir) for s in range(n) for e in chosen]  # seed-major: a partial
+        # suite has every row at the first seeds, which is what paired comparisons need
     if encodings is not None and list(encodings) != ["all"]:
         known = {e for fam in families for e in (*PROTOCOLS[fam].encodings, *PROTOCOLS[fam].extra)}
         unknown = sorted(set(encodings) - known)

@@ -160,6 +160,7 @@ def test_readme_only_between_markers_and_idempotent(tmp_path):
     text = readme.read_text()
     assert text.startswith(before + report.START) and text.endswith(report.END + after)
     assert "LookHere > 2D RoPE" in text and "**agrees**" in text
+    assert "validation accuracy changed by +30.0 points" in text  # every fake curve goes 0.5 -> 0.8
     report.report(results, readme=readme, reps=200)
     assert readme.read_text() == text
     lone = tmp_path / "lone.md"
