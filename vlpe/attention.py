@@ -7,6 +7,23 @@
 * ``flex``: FlexAttention with the encoding's ``score_mod`` / ``block_mask``. Compiled; on CPU torch
   has no FlexAttention backward, so training on CPU must use ``sdpa`` or ``eager``.
 
+Inference fast path of ``sdpa`` (``attend(..., fast=None)``: automatic from :data:`FAST_MIN_TOKENS` tokens on
+when no autograd graph is needed; ``fast=True`` forces it, ``fast=False`` keeps the reference path): one SDPA
+call per head and query chunk, the chunk's bias at most :data:`FAST_BIAS_BYTES`, built just before the call
+reads it, while it is still in cache, and the keys and values of that head stay cached across its chunks.
+
+* on lattice positions (``Positions.lattice``) an encoding's :meth:`~vlpe.encodings.Encoding.lattice_bias`
+  table gives every chunk's bias as one strided copy of a ``(2h-1, 2w-1)`` table (no arithmetic per pair),
+  and the keys outside a head's masked half-plane (LookHere's fields of view) are not computed at all;
+* otherwise :meth:`~vlpe.encodings.Encoding.score_heads` builds the chunk's bias head by head, sharing the
+  per-chunk work (distances, masks, index maps) between heads;
+* encodings with neither keep the reference path.
+
+Training (and any call needing autograd) always takes the reference path. The fast path equals it to fp32
+rounding (the same bias values; skipped keys have attention weight exactly 0), checked in
+tests/test_fast_attention.py. FlexAttention's compiled CPU forward was measured slower than SDPA here
+(``benchmarks/encoding_cost.py --layer --flex``), so it is not the CPU fast path.
+
 The softmax scale is ``head_dim ** -0.5`` of the q/k *as given*, before any ``widen`` features.
 """
 
@@ -18,16 +35,23 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .encodings.base import Context, Encoding
+from .encodings.base import Context, Encoding, LatticeBias
 from .positions import Positions
 
-__all__ = ["attend", "attention_logits", "Attention", "dense_score_mod", "Backend", "check_qkv"]
+__all__ = [
+    "attend", "attention_logits", "Attention", "dense_score_mod", "Backend", "check_qkv", "FAST_MIN_TOKENS",
+    "FAST_BIAS_BYTES",
+]
 
 Backend = Literal["sdpa", "eager", "flex"]
 BACKENDS = ("sdpa", "eager", "flex")
 
 #: Largest dense bias (bytes) built at once by the ``sdpa``/``eager`` paths; larger ones go by query chunks.
 MAX_BIAS_BYTES = 16 * 2**20
+#: The inference fast path is taken automatically from this many tokens on (see the module docstring).
+FAST_MIN_TOKENS = 1024
+#: Largest bias (bytes) of one head and query chunk on the fast path: small enough to stay in cache.
+FAST_BIAS_BYTES = 2**20
 
 
 def _key_padding(ctx: Context | None, dtype: torch.dtype) -> Tensor | None:
@@ -121,14 +145,21 @@ def attend(
     scale: float | None = None,
     dropout_p: float = 0.0,
     max_bias_bytes: int = MAX_BIAS_BYTES,
+    fast: bool | None = None,
 ) -> Tensor:
     """Attention over ``q, k, v`` (B, H, N, Dh) with every hook of ``enc`` applied; returns (B, H, N, Dh).
 
     ``ctx`` is ``enc.prepare(pos)``, built once per forward and shared by all layers. ``attn_mask`` is an
-    extra additive (float) or keep (bool) mask broadcastable to (B, H, N, N).
+    extra additive (float) or keep (bool) mask broadcastable to (B, H, N, N). ``fast``: the inference fast
+    path of the ``sdpa`` backend for bias encodings (module docstring): None takes it from
+    :data:`FAST_MIN_TOKENS` tokens on when nothing needs gradients, True whenever it applies (a
+    ``ValueError`` says why it cannot: autograd, ``attn_mask``, ``is_causal``, dropout, another backend or a
+    ``values`` term), False never.
     """
     if backend not in BACKENDS:
         raise ValueError(f"unknown attention backend {backend!r}; choose one of {BACKENDS}")
+    if fast is not None and not isinstance(fast, bool):
+        raise ValueError(f"fast must be None (automatic), True or False, got {fast!r}")
     if (enc is None) != (ctx is None):
         raise ValueError("attend needs both `enc` and `ctx` (ctx = enc.prepare(pos)) or neither")
     if enc is not None and (not isinstance(ctx, Context) or ctx.owner not in (None, enc)):
@@ -149,6 +180,15 @@ def attend(
         backend = "eager" if backend == "sdpa" else backend
         if backend == "flex":
             raise ValueError(f"{type(enc).__name__} has a values term, which needs the eager backend, not flex")
+
+    if has_score and fast is not False:
+        why = _fast_blocker(backend, has_values, attn_mask, is_causal, dropout_p, enc, (q, k, v))
+        if fast and why:
+            raise ValueError(f"attend(fast=True): the inference fast path does not apply: {why}")
+        if why is None and (fast or q.shape[-2] >= FAST_MIN_TOKENS):
+            out = _fast_attention(q, k, v, enc, ctx, layer, scale, pad)
+            if out is not None:
+                return out
 
     if backend == "flex":
         return _flex(q, k, v, enc, ctx, layer, scale, _combine(attn_mask, pad), is_causal)
@@ -192,6 +232,138 @@ def attend(
 
 def _rows(mask: Tensor, rows: slice, n_q: int) -> Tensor:
     return mask[..., rows, :] if mask.shape[-2] == n_q else mask
+
+
+# --------------------------------------------------------------------------- inference fast path
+def _needs_grad(enc: Encoding | None, tensors: tuple[Tensor, ...]) -> bool:
+    if not torch.is_grad_enabled():
+        return False
+    if any(t.requires_grad for t in tensors):
+        return True
+    return enc is not None and any(p.requires_grad for p in enc.parameters())
+
+
+def _fast_blocker(backend, has_values, attn_mask, is_causal, dropout_p, enc, tensors) -> str | None:
+    """Why the fast path cannot run this call (None: it can)."""
+    if backend != "sdpa":
+        return f"it is an SDPA path, the backend is {backend!r}"
+    if has_values:
+        return f"{type(enc).__name__} has a values term (eager backend)"
+    if attn_mask is not None or is_causal:
+        return "it takes no attn_mask / is_causal (the encoding's bias and key padding only)"
+    if dropout_p:
+        return "it has no attention dropout"
+    if _needs_grad(enc, tensors):
+        return "it is for inference: something needs gradients (use torch.no_grad() / inference_mode())"
+    return None
+
+
+def _fast_attention(q, k, v, enc, ctx, layer, scale, pad) -> Tensor | None:
+    """The fast path (module docstring): lattice tables, else per-head builders; None: neither is offered."""
+    pos = ctx.pos
+    if pad is None and pos.lattice and pos.grid is not None and len(pos.grid) == 2:
+        lat = enc.lattice_bias(ctx, layer)
+        if lat is not None:
+            return _lattice_attention(q, k, v, lat, pos, scale)
+    return _head_attention(q, k, v, enc, ctx, layer, scale, pad)
+
+
+def _head_attention(q, k, v, enc, ctx, layer, scale, pad) -> Tensor | None:
+    """SDPA per query chunk and head with the bias of :meth:`Encoding.score_heads`; None when not offered.
+
+    Query chunks hold at most :data:`FAST_BIAS_BYTES` of one head's bias; each chunk's shared work is done once
+    by ``score_heads``, then each head's bias is built and read at once.
+    """
+    B, H, N, _ = q.shape
+    n_k = k.shape[-2]
+    step = max(1, min(N, FAST_BIAS_BYTES // max(1, B * n_k * q.element_size())))
+    out = None
+    for start in range(0, N, step):
+        rows = slice(start, min(start + step, N))
+        qr = q[:, :, rows]  # (B, H, n, D)
+        build = enc.score_heads(qr, k, ctx, layer, rows)
+        if build is None:
+            return None  # first chunk: the encoding offers no per-head bias
+        if out is None:
+            out = q.new_empty(B, H, N, v.shape[-1])
+        for h in range(H):
+            heads = slice(h, h + 1)
+            mask = _combine(build(heads), pad)  # (B', 1, n, N)
+            if mask is not None and mask.dtype != q.dtype:
+                mask = mask.to(q.dtype)
+            out[:, heads, rows] = F.scaled_dot_product_attention(
+                qr[:, heads], k[:, heads], v[:, heads], attn_mask=mask, scale=scale
+            )
+    return out
+
+
+#: half-plane -> (transpose, flip rows): the frame in which that half-plane is "key row <= query row"
+_FRAMES = {None: (False, False), "up": (False, False), "down": (False, True), "left": (True, False),
+           "right": (True, True)}  # fmt: skip
+
+
+def _to_frame(x: Tensor, h: int, w: int, transpose: bool, flip: bool) -> Tensor:
+    """Patch tokens ``(B, h w, D)`` in row-major grid order as the frame's grid ``(B, h', w', D)``."""
+    x = x.unflatten(1, (h, w))
+    if transpose:
+        x = x.transpose(1, 2)
+    return x.flip(1) if flip else x
+
+
+def _lattice_attention(q, k, v, lat: LatticeBias, pos: Positions, scale) -> Tensor:
+    """SDPA per head and chunk of query rows with the bias copied from the lattice table ``lat``.
+
+    Per head the grid is seen in the frame (transposed and/or row-flipped) where its masked half-plane
+    is "key row <= query row". In that frame queries go in reverse raster order, so the bias of query
+    ``(h'-1-a, w'-1-b)`` and key ``(r, c)`` is ``table'[a + r, b + c]``: one strided view of the table, copied
+    chunk by chunk into the mask. A chunk of query rows whose lowest row is ``h'-1-a`` sees keys of rows
+    ``<= h'-1-a`` only, so only those (a contiguous prefix of the keys) are passed. Prefix queries attend
+    with bias 0 to every key and patch queries with bias 0 to prefix keys (the :class:`LatticeBias`
+    contract). Checked against the reference path in tests/test_fast_attention.py.
+    """
+    B, H, N, D = q.shape
+    Dv = v.shape[-1]
+    P = pos.prefix
+    h, w = pos.grid
+    out = q.new_empty(B, H, N, Dv)
+    if P:  # prefix queries: no bias to any key
+        out[:, :, :P] = F.scaled_dot_product_attention(q[:, :, :P], k, v, scale=scale)
+    esize = q.element_size()
+    chunk_rows = {wf: max(1, FAST_BIAS_BYTES // (esize * wf * N)) for wf in (h, w)}  # frame rows per chunk
+    buf = q.new_empty(max(r * wf * N for wf, r in chunk_rows.items()))
+    for head in range(H):
+        plane = lat.half_planes[head]
+        tr, fl = _FRAMES[plane]
+        hf, wf = (w, h) if tr else (h, w)
+        t = lat.table[head]  # (2h-1, 2w-1) at key-minus-query offsets
+        t = t.transpose(0, 1) if tr else t
+        t = (t.flip(0) if fl else t).to(q.dtype).contiguous()  # (2hf-1, 2wf-1) in frame offsets
+        stride = 2 * wf - 1
+        windows = t.as_strided((hf, wf, hf, wf), (stride, 1, stride, 1))  # [a, b, r, c] = t[a + r, b + c]
+        if plane is None:
+            kf, vf = k[:, head], v[:, head]  # (B, N, D): identity frame, prefix first
+        else:
+            kf = torch.cat([k[:, head, :P], _to_frame(k[:, head, P:], h, w, tr, fl).flatten(1, 2)], dim=1)
+            vf = torch.cat([v[:, head, :P], _to_frame(v[:, head, P:], h, w, tr, fl).flatten(1, 2)], dim=1)
+        qf = _to_frame(q[:, head, P:], h, w, tr, fl).flip(1, 2).flatten(1, 2)  # (B, h w, D) reverse raster
+        of = q.new_empty(B, hf * wf, Dv)
+        step = chunk_rows[wf]
+        for a in range(0, hf, step):
+            e = min(hf, a + step)
+            m = (e - a) * wf
+            kr = hf - a if plane is not None else hf  # frame rows of keys this chunk can see
+            nk = P + kr * wf
+            mask = buf[: m * nk].view(m, nk)
+            mask[:, :P] = 0
+            mask[:, P:].view(e - a, wf, kr, wf).copy_(windows[a:e, :, :kr])
+            of[:, a * wf : e * wf] = F.scaled_dot_product_attention(
+                qf[:, None, a * wf : e * wf], kf[:, None, :nk], vf[:, None, :nk], attn_mask=mask[None, None],
+                scale=scale,
+            )[:, 0]
+        o = of.unflatten(1, (hf, wf))
+        o = o.flip(2) if fl else o.flip(1, 2)  # reverse raster -> frame raster -> grid rows
+        out[:, head, P:].unflatten(1, (h, w)).copy_(o.transpose(1, 2) if tr else o)
+    return out
 
 
 def attention_logits(enc: Encoding, q: Tensor, k: Tensor, pos: Positions, layer: int = 0) -> Tensor:

@@ -11,6 +11,11 @@ Conventions:
     * Prefix tokens come first; their coordinates are zero and encodings treat them specially (no
       rotation, a dedicated bucket, no mask), as each encoding documents.
     * ``valid`` (B, N) bool marks real tokens in padded batches of different sizes; None means all real.
+    * ``lattice`` is True for positions built by :meth:`Positions.grid_nd` (``.grid``, ``.video`` without
+      timestamps) and their ``.to()`` copies: the non-prefix coordinates are exactly the row-major integer
+      grid, so the offset between two tokens is their grid offset. A host-side fact (no tensor is read);
+      bias encodings use it for offset tables (:class:`vlpe.encodings.LatticeBias`). Any other constructor,
+      ``with_coords``, ``shifted`` and ``replace`` give ``lattice=False``.
 """
 
 from __future__ import annotations
@@ -75,6 +80,8 @@ class Positions:
     grid: tuple[int, ...] | None
     valid: Tensor | None
     axes: tuple[str, ...] | None
+    #: the non-prefix coordinates are exactly the row-major integer grid (see the module docstring)
+    lattice: bool
 
     def __setattr__(self, name: str, value) -> None:
         raise AttributeError("Positions is immutable; use .replace(...) / .with_coords(...)")
@@ -124,6 +131,7 @@ class Positions:
         object.__setattr__(self, "grid", grid)
         object.__setattr__(self, "valid", valid)
         object.__setattr__(self, "axes", axes)
+        object.__setattr__(self, "lattice", False)
 
     # ----------------------------------------------------------------- constructors
     @classmethod
@@ -147,7 +155,9 @@ class Positions:
         coords = torch.stack(mesh, dim=-1).reshape(-1, len(shape)).float()  # (prod, A)
         if prefix:
             coords = torch.cat([coords.new_zeros(prefix, len(shape)), coords], dim=0)  # (N, A)
-        return cls(coords, prefix=prefix, grid=shape, axes=axes)
+        pos = cls(coords, prefix=prefix, grid=shape, axes=axes)
+        object.__setattr__(pos, "lattice", True)
+        return pos
 
     @classmethod
     def grid(
@@ -217,7 +227,9 @@ class Positions:
 
     def to(self, device: torch.device | str) -> "Positions":
         valid = None if self.valid is None else self.valid.to(device)
-        return Positions(self.coords.to(device), prefix=self.prefix, grid=self.grid, valid=valid, axes=self.axes)
+        pos = Positions(self.coords.to(device), prefix=self.prefix, grid=self.grid, valid=valid, axes=self.axes)
+        object.__setattr__(pos, "lattice", self.lattice)
+        return pos
 
     def with_coords(self, coords: Tensor, *, keep_grid: bool = True) -> "Positions":
         """Same tokens at new coordinates (``keep_grid=False`` drops the regular-grid claim)."""

@@ -10,12 +10,12 @@ Every module in this package registers its encodings with :func:`register`; :fun
 :func:`build` import them all on first use.
 """
 
-from .base import CLAIMS, HOOKS, Context, Encoding
+from .base import CLAIMS, HALF_PLANES, HOOKS, Context, Encoding, LatticeBias
 from .functional.scaling import resolution_scaling
 from .registry import available, build, get, options_of, register, register_preset
 from .rope import set_scaling
 
 __all__ = [
-    "CLAIMS", "HOOKS", "Context", "Encoding", "available", "build", "get", "options_of", "register", "register_preset",
-    "resolution_scaling", "set_scaling",
+    "CLAIMS", "HALF_PLANES", "HOOKS", "Context", "Encoding", "LatticeBias", "available", "build", "get",
+    "options_of", "register", "register_preset", "resolution_scaling", "set_scaling",
 ]

@@ -7,7 +7,8 @@ import math
 import torch
 from torch import Tensor
 
-from .base import Context, Encoding
+from .base import Context, Encoding, LatticeBias
+from .functional.bias import lattice_offsets
 from .registry import register
 
 __all__ = ["ALiBi", "alibi_slopes", "pairwise_distance"]
@@ -76,12 +77,29 @@ class ALiBi(Encoding):
         ctx["coords"] = coords  # (B, N, A)
         ctx["patch"] = (~pos.is_prefix).to(coords.dtype)  # (N,) 0 for prefix tokens
 
-    def score(self, q: Tensor, k: Tensor, ctx: Context, layer: int, rows: slice | None = None) -> Tensor:
+    def _distance(self, ctx: Context, rows: slice) -> Tensor:
+        """``(B, n, N)`` distances of the query ``rows`` to every key, 0 for pairs with a prefix token."""
         coords, patch = ctx["coords"], ctx["patch"]
-        rows = slice(None) if rows is None else rows
         dist = pairwise_distance(coords[:, rows], coords)  # (B, n, N)
-        dist = dist * patch[rows, None] * patch[None, :]  # prefix rows / columns: no penalty
+        return dist * patch[rows, None] * patch[None, :]  # prefix rows / columns: no penalty
+
+    def score(self, q: Tensor, k: Tensor, ctx: Context, layer: int, rows: slice | None = None) -> Tensor:
+        dist = self._distance(ctx, slice(None) if rows is None else rows)
         return -self.slopes.to(dist.dtype)[None, :, None, None] * dist[:, None]  # (B, H, n, N)
+
+    def score_heads(self, q: Tensor, k: Tensor, ctx: Context, layer: int, rows: slice):
+        dist = self._distance(ctx, rows)[:, None]  # (B, 1, n, N), shared by the heads
+        slopes = -self.slopes.to(dist.dtype)[None, :, None, None]  # (1, H, 1, 1)
+        return lambda heads: slopes[:, heads] * dist  # (B, h, n, N), as score
+
+    def lattice_bias(self, ctx: Context, layer: int) -> LatticeBias | None:
+        if not ctx.pos.lattice or ctx.pos.grid is None or len(ctx.pos.grid) != 2:
+            return None
+        h, w = ctx.pos.grid
+        offsets = lattice_offsets(h, w, ctx.pos.device).to(ctx["coords"].dtype)  # keys seen from the origin
+        dist = pairwise_distance(offsets.new_zeros(1, 1, 2), offsets)  # (1, 1, M): the same code as score
+        table = -self.slopes.to(dist.dtype)[:, None] * dist[0]  # (H, M)
+        return LatticeBias(table.reshape(self.num_heads, 2 * h - 1, 2 * w - 1), (None,) * self.num_heads)
 
     def flex(self, q: Tensor, k: Tensor, ctx: Context, layer: int):
         coords = ctx["coords"]

@@ -19,7 +19,15 @@ bias/mask for the query ``rows``
 term from attention probabilities
 ``flex(q, k, ctx, layer)`` -> (score_mod,    bias encodings on the flex backend             dense-bias mod
 block_mask)
+``score_heads(q, k, ctx, layer, rows)`` ->   alibi, lookhere, irpe, pype mask                None
+per-head bias builder (inference fast path)
+``lattice_bias(ctx, layer)`` -> offset       alibi, lookhere, fire                           None
+table (inference fast path on lattices)
 ===========================================  ==============================================  =================
+
+``score_heads`` and ``lattice_bias`` are optional forms of ``score`` for the inference fast path of
+:func:`vlpe.attend` (SDPA per head and query chunk, see :mod:`vlpe.attention`); they give the same bias as
+``score``, which stays the reference (training uses it).
 
 Tensor conventions: tokens ``x`` are ``(B, N, C)``; ``q, k, v`` are ``(B, H, N, Dh)`` as they enter
 attention (after the projections, before any scaling); a bias is broadcastable to ``(B, H, n, N)`` for
@@ -29,6 +37,7 @@ the ``n`` query rows asked for, ``-inf`` where attention is forbidden.
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 from typing import Any, Callable, ClassVar
 
 import torch
@@ -36,7 +45,7 @@ from torch import Tensor, nn
 
 from ..positions import Positions
 
-__all__ = ["Context", "Encoding", "HOOKS", "CLAIMS", "apply_keeping_fp32"]
+__all__ = ["Context", "Encoding", "LatticeBias", "HOOKS", "CLAIMS", "HALF_PLANES", "apply_keeping_fp32"]
 
 HOOKS = ("embed", "mix", "rotate", "widen", "score", "values")
 
@@ -51,6 +60,38 @@ CLAIMS = frozenset(
         "fp32_angles",  # under bf16 autocast, angles/distances stay fp32 (large coordinates stay exact)
     }
 )
+
+
+#: Half-planes a head's field of view may lie in, for :class:`LatticeBias`: "up" = key row <= query row,
+#: "down" = key row >= query row, "left" = key column <= query column, "right" = key column >= query column.
+HALF_PLANES = ("up", "down", "left", "right")
+
+
+@dataclass(frozen=True)
+class LatticeBias:
+    """An encoding's bias on lattice positions (``Positions.lattice``, grid ``(h, w)``) as one offset table.
+
+    Attributes:
+        table: ``(H, 2h - 1, 2w - 1)`` fp32: the bias of a patch query and a patch key whose key-minus-query
+            grid offset is ``(dy, dx)`` is ``table[:, dy + h - 1, dx + w - 1]``. Every pair involving a prefix
+            token has bias 0.
+        half_planes: per head None or one of :data:`HALF_PLANES`: the table masks every key outside that
+            half-plane of the query (a bias whose attention weight is exactly 0), so the fast path may skip
+            those keys without changing the result.
+    """
+
+    table: Tensor
+    half_planes: tuple[str | None, ...]
+
+    def __post_init__(self) -> None:
+        if self.table.dim() != 3 or len(self.half_planes) != self.table.shape[0]:
+            raise ValueError(
+                f"LatticeBias needs a (H, 2h-1, 2w-1) table and one half-plane (or None) per head, got a table of "
+                f"shape {tuple(self.table.shape)} and {len(self.half_planes)} half-planes"
+            )
+        bad = [p for p in self.half_planes if p is not None and p not in HALF_PLANES]
+        if bad:
+            raise ValueError(f"LatticeBias half-planes must be None or one of {HALF_PLANES}, got {bad}")
 
 
 class Context:
@@ -210,6 +251,26 @@ class Encoding(nn.Module):
 
         return dense_score_mod(self, q, k, ctx, layer), None
 
+    def score_heads(
+        self, q: Tensor, k: Tensor, ctx: Context, layer: int, rows: slice
+    ) -> Callable[[slice], Tensor | None] | None:
+        """The bias of the query ``rows`` head by head, for the inference fast path (override; None: unsupported).
+
+        ``q`` holds the query ``rows`` of every head, ``k`` every key. Returns ``bias(heads)`` giving the
+        ``(B', h, n, N)`` bias of the heads ``heads`` (a step-1 slice; a head dimension of 1 may be shared by
+        all heads asked for), equal to ``score(q, k, ctx, layer, rows=rows)[:, heads]``. Work shared by all
+        heads (distances, masks, index maps) is done once per call, so the attention can build one head's
+        bias at a time and keep it small.
+        """
+        return None
+
+    def lattice_bias(self, ctx: Context, layer: int) -> LatticeBias | None:
+        """The bias as an offset table when ``ctx.pos.lattice`` (override; None: unsupported).
+
+        Only for biases that depend on the grid offset alone and are 0 for every pair with a prefix token.
+        """
+        return None
+
     def neutralize(self) -> "Encoding":
         """Set parameters so the encoding equals ``nope`` (for encodings that claim ``neutral``)."""
         raise NotImplementedError(f"{type(self).__name__} has no neutral setting")
@@ -242,7 +303,10 @@ class Encoding(nn.Module):
 
 
 #: hook -> index of its ``ctx`` argument (after ``self``)
-_CTX_ARG = {"embed": 1, "mix": 1, "values": 1, "rotate": 2, "widen": 2, "score": 2, "flex": 2}
+_CTX_ARG = {
+    "embed": 1, "mix": 1, "values": 1, "rotate": 2, "widen": 2, "score": 2, "flex": 2, "score_heads": 2,
+    "lattice_bias": 0,
+}  # fmt: skip
 
 
 def _checking_ctx(fn: Callable, hook: str, at: int) -> Callable:

@@ -15,7 +15,8 @@ import torch
 from torch import Tensor, nn
 
 from .alibi import pairwise_distance
-from .base import Context, Encoding
+from .base import Context, Encoding, LatticeBias
+from .functional.bias import lattice_offsets
 from .registry import register
 
 __all__ = ["FIRE", "patch_bounds"]
@@ -164,22 +165,39 @@ class FIRE(Encoding):
         return self._psi(T, layer) + _EPS
 
     # ------------------------------------------------------------------ hooks
+    def _pair_bias(self, cq: Tensor, ck: Tensor, ctx: Context, layer: int) -> Tensor:
+        """The MLP bias ``(B, n, N, H)`` of queries at ``cq`` (B, n, A) and keys at ``ck`` (B, N, A), prefix
+        tokens not handled; fp32 (the coordinates' precision) with autocast off."""
+        with torch.autocast(ck.device.type, enabled=False):
+            dt = ck.dtype
+            if self.distance == "euclidean":
+                x = self._psi(pairwise_distance(cq, ck), layer)[..., None]  # (B, n, N, 1)
+            else:
+                d = cq[:, :, None, :] - ck[:, None, :, :]  # (B, n, N, A)
+                x = torch.sign(d) * self._psi(d.abs(), layer)
+            x = x / self._denominator(ctx, layer, dt)[:, None, None, :]  # (B, n, N, F)
+            h = torch.relu(x @ self.w1[layer].to(dt).T + self.b1[layer].to(dt))  # (B, n, N, hidden)
+            return h @ self.w2[layer].to(dt).T + self.b2[layer].to(dt)  # (B, n, N, H)
+
     def score(self, q: Tensor, k: Tensor, ctx: Context, layer: int, rows: slice | None = None) -> Tensor:
         self.check_layer(layer)
         coords, patch = ctx["coords"], ctx["patch"]
         rows = slice(None) if rows is None else rows
-        with torch.autocast(coords.device.type, enabled=False):
-            dt = coords.dtype
-            if self.distance == "euclidean":
-                x = self._psi(pairwise_distance(coords[:, rows], coords), layer)[..., None]  # (B, n, N, 1)
-            else:
-                d = coords[:, rows, None, :] - coords[:, None, :, :]  # (B, n, N, A)
-                x = torch.sign(d) * self._psi(d.abs(), layer)
-            x = x / self._denominator(ctx, layer, dt)[:, None, None, :]  # (B, n, N, F)
-            h = torch.relu(x @ self.w1[layer].to(dt).T + self.b1[layer].to(dt))  # (B, n, N, hidden)
-            out = h @ self.w2[layer].to(dt).T + self.b2[layer].to(dt)  # (B, n, N, H)
-            out = out * (patch[rows, None] * patch[None, :])[..., None]  # prefix rows / columns: zero
-            return out.permute(0, 3, 1, 2)  # (B, H, n, N)
+        out = self._pair_bias(coords[:, rows], coords, ctx, layer)  # (B, n, N, H)
+        out = out * (patch[rows, None] * patch[None, :])[..., None]  # prefix rows / columns: zero
+        return out.permute(0, 3, 1, 2)  # (B, H, n, N)
+
+    def lattice_bias(self, ctx: Context, layer: int) -> LatticeBias | None:
+        """The offset table of lattice positions: the MLP of :meth:`score` at every grid offset (keys at
+        the offsets seen from a query at the origin), ``(2h-1)(2w-1)`` evaluations instead of ``N^2``."""
+        self.check_layer(layer)
+        pos = ctx.pos
+        if not pos.lattice or pos.grid is None or len(pos.grid) != 2:
+            return None
+        h, w = pos.grid
+        keys = lattice_offsets(h, w, pos.device).to(ctx["coords"].dtype)  # (1, M, 2)
+        table = self._pair_bias(keys.new_zeros(1, 1, 2), keys, ctx, layer)[0, 0]  # (M, H)
+        return LatticeBias(table.T.reshape(self.num_heads, 2 * h - 1, 2 * w - 1), (None,) * self.num_heads)
 
     def flex(self, q: Tensor, k: Tensor, ctx: Context, layer: int):
         self.check_layer(layer)

@@ -164,31 +164,55 @@ class IRPE(Encoding):
 
     # ------------------------------------------------------------------ hooks
     def score(self, q: Tensor, k: Tensor, ctx: Context, layer: int, rows: slice | None = None) -> Tensor | None:
+        """``e_ij += q_i . r[I(i, j)] / sqrt(d)`` (keys) and ``k_j . r[I(j, i)] / sqrt(d)`` (queries), or the
+        learned scalars of the buckets (bias mode): ``(B, H, n, N)`` (``(1, 1, n, N)`` for a shared bias table)."""
+        build = self.score_heads(q, k, ctx, layer, slice(None) if rows is None else rows)
+        return None if build is None else build(slice(None))
+
+    def score_heads(self, q: Tensor, k: Tensor, ctx: Context, layer: int, rows: slice):
+        """Per-head bias of the query ``rows`` (the terms of :meth:`score`): the int64 bucket indices and the
+        ``q @ table`` products once per call, then one gather per head. Bias mode with a shared table gives one
+        bias for every head."""
         self.check_layer(layer)
         if "q" not in self.rpe_on and "k" not in self.rpe_on:
             return None
         scale = self.head_dim**-0.5
         B, H, n, _ = q.shape
         N = k.shape[-2]
-        bias = None  # accumulated in place: one (B, H, n, N) tensor per call
-        if "k" in self.rpe_on:  # e_ij += q_i . r[I(i, j)] / sqrt(d)
-            idx = self._index(ctx, rows, transpose=False)  # P x (n, N)
-            if self.mode == "bias":
-                terms = (self.table_k[layer][:, i].unsqueeze(0) for i in idx)  # (1, H', n, N) each
-            else:
-                table = (q * scale) @ self.table_k[layer].to(q.dtype)  # (B, H, n, P*K)
-                terms = (torch.gather(table, -1, i.expand(B, H, n, N)) for i in idx)  # (B, H, n, N) each
-            for t in terms:
-                bias = t if bias is None else bias.add_(t)
-        if "q" in self.rpe_on:  # e_ij += k_j . r[I(j, i)] / sqrt(d)
-            idx = self._index(ctx, rows, transpose=True)  # P x (n, N): I(j, i)
-            if self.mode == "bias":
-                terms = (self.table_q[layer][:, i].unsqueeze(0) for i in idx)  # (1, H', n, N) each
-            else:
+        sides = []  # (side, P x (n, N) indices, contextual table or None)
+        if "k" in self.rpe_on:
+            table = None if self.mode == "bias" else (q * scale) @ self.table_k[layer].to(q.dtype)  # (B, H, n, P*K)
+            sides.append(("k", self._index(ctx, rows, transpose=False), table))
+        if "q" in self.rpe_on:
+            table = None
+            if self.mode != "bias":
                 table = ((k * scale) @ self.table_q[layer].to(k.dtype)).transpose(-1, -2).contiguous()  # (B,H,PK,N)
-                terms = (torch.gather(table, -2, i.expand(B, H, n, N)) for i in idx)  # (B, H, n, N) each
-            for t in terms:
-                bias = t if bias is None else bias.add_(t)  # q and k terms have the same shape (same mode)
+            sides.append(("q", self._index(ctx, rows, transpose=True), table))
+        shared = self.mode == "bias" and self.shared_head
+        cache: list[Tensor] = []
+
+        def bias(heads: slice) -> Tensor:
+            if shared and cache:
+                return cache[0]  # (1, 1, n, N): the same for every head
+            out = None
+            for side, idx, table in sides:
+                if table is None:  # bias mode: the learned scalar of each bucket
+                    t = getattr(self, f"table_{side}")[layer]  # (H', P*K)
+                    t = t if self.shared_head else t[heads]
+                    terms = (t[:, i].unsqueeze(0) for i in idx)  # (1, h', n, N) each
+                else:
+                    t = table[:, heads]
+                    h = t.shape[1]
+                    if side == "k":
+                        terms = (torch.gather(t, -1, i.expand(B, h, n, N)) for i in idx)  # (B, h, n, N)
+                    else:
+                        terms = (torch.gather(t, -2, i.expand(B, h, n, N)) for i in idx)
+                for term in terms:
+                    out = term if out is None else out.add_(term)
+            if shared:
+                cache.append(out)
+            return out
+
         return bias
 
     def values(self, attn: Tensor, ctx: Context, layer: int, rows: slice | None = None) -> Tensor | None:

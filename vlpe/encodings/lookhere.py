@@ -8,7 +8,8 @@ from typing import ClassVar, Literal, Sequence
 import torch
 from torch import Tensor
 
-from .base import Context, Encoding
+from .base import Context, Encoding, LatticeBias
+from .functional.bias import lattice_offsets
 from .registry import register, register_preset
 
 __all__ = ["LookHere", "DIRECTION_GROUPS", "default_directions", "head_layout"]
@@ -207,6 +208,8 @@ class LookHere(Encoding):
         for h, bits in enumerate(required):
             groups.setdefault(bits, []).append(h)
         self._fov_groups = list(groups.items())  # (required half-plane bits, heads with that field of view)
+        self._required = required  # (H,) required half-plane bits per head
+        self._group_of = {h: g for g, (_, heads) in enumerate(self._fov_groups) for h in heads}
         self.register_buffer("required", torch.tensor(required, dtype=torch.uint8), persistent=False)  # (H,)
         self.register_buffer("head_slopes", torch.tensor(head_slopes, dtype=torch.float32), persistent=False)
         self.register_buffer("is_zero", torch.tensor(zero), persistent=False)  # (H,) no bias at all
@@ -262,69 +265,54 @@ class LookHere(Encoding):
         """
         rows = slice(None) if rows is None else rows
         with torch.autocast(q.device.type, enabled=False):
-            proj = ctx["proj"]  # (4, B, N)
-            outside: dict[int, Tensor] = {}  # half-plane bit -> (B, n, N) "key outside it"
-            hidden = [self._hidden(req, proj, rows, outside) for req, _ in self._fov_groups]  # (B, n, N) | None
-            outside.clear()
-            x, y = proj[0], proj[1]  # (B, N)
-            d2 = (x[:, None, :] - x[:, rows, None]).square_()  # (B, n, N)
-            d2.addcmul_(dy := y[:, None, :] - y[:, rows, None], dy)
-            del dy
-            dist = self._dist(d2)  # (B, n, N)
-            B, n, N = dist.shape
-            out = dist.new_empty(B, self.num_heads, n, N)
-            floor = None  # fill 'inf': (B, n, N) of 0 / -3.39e38, one fused pass per head
-            factor = -self.global_slope * self.layer_slope(layer)
-            for (_, heads), hid in zip(self._fov_groups, hidden):
-                if hid is not None and self.fill_with == "inf":
-                    floor = torch.mul(hid, _MASKED, out=dist.new_empty(dist.shape) if floor is None else floor)
-                for h in heads:
-                    o = out[:, h]  # (B, n, N)
-                    s = factor * self._slopes[h]
-                    kind = self._kinds[h]
-                    d = dist
-                    if kind == "center":
-                        d = ctx["centre_dist"][:, None, :].expand(B, n, N)  # the key's distance to the centre
-                    if hid is not None and self.fill_with == "inf":
-                        if kind == "zero":
-                            o.copy_(floor)
-                        else:
-                            torch.add(floor, d, alpha=s, out=o)  # -3.39e38 absorbs the penalty exactly
-                        continue
-                    if kind == "zero":
-                        o.zero_()
-                    else:
-                        torch.mul(d, s, out=o)
-                    if hid is None:
-                        continue
-                    if self.fill_with == "zero" or kind == "zero":
-                        o.masked_fill_(hid, 0.0)
-                    else:  # "max": the largest distance of the grid, penalised like a visible key
-                        o.copy_(torch.where(hid, (ctx["max_dist"] * s)[:, None, None], o))
-            self._clear_prefix(out, ctx.pos.prefix, rows, n)
+            pairs = self._pairs(ctx, rows, layer)
+            out = pairs.dist.new_empty(pairs.dist.shape[0], self.num_heads, *pairs.dist.shape[1:])  # (B, H, n, N)
+            for h in range(self.num_heads):
+                pairs.fill(h, out[:, h])
+            self._clear_prefix(out, ctx.pos.prefix, rows, out.shape[-2])
         return out
 
-    @staticmethod
-    def _hidden(req: int, proj: Tensor, rows: slice, outside: dict[int, Tensor]) -> Tensor | None:
-        """``(B, n, N)`` True where the key lies outside the field of view ``req`` (None: sees everything).
+    def score_heads(self, q: Tensor, k: Tensor, ctx: Context, layer: int, rows: slice):
+        """Per-head bias of the query ``rows``: the distance and half-plane masks once, then each head as in
+        :meth:`score` (the same operations, so the same values)."""
+        with torch.autocast(q.device.type, enabled=False):
+            pairs = self._pairs(ctx, rows, layer)
 
-        Half-plane ``f(key - query) >= 0`` of a linear form f is ``f(key) >= f(query)``: a comparison of
-        per-token projections ``proj`` (x, y, x + y, x - y), so no offset tensor is built.
-        """
-        hidden, owned = None, False
-        for bit, (form, positive) in _HALF_PLANES.items():
-            if not req & bit:
-                continue
-            if bit not in outside:
-                p = proj[form]  # (B, N)
-                outside[bit] = (torch.lt if positive else torch.gt)(p[:, None, :], p[:, rows, None])
-            if hidden is None:
-                hidden = outside[bit]
-            elif owned:
-                hidden |= outside[bit]
-            else:  # never modify a cached half-plane mask in place
-                hidden, owned = hidden | outside[bit], True
-        return hidden
+        def bias(heads: slice) -> Tensor:
+            B, n, N = pairs.dist.shape
+            chosen = range(self.num_heads)[heads]
+            with torch.autocast(q.device.type, enabled=False):
+                out = pairs.dist.new_empty(B, len(chosen), n, N)  # (B, h, n, N)
+                for i, h in enumerate(chosen):
+                    pairs.fill(h, out[:, i])
+                self._clear_prefix(out, ctx.pos.prefix, rows, n)
+            return out
+
+        return bias
+
+    def lattice_bias(self, ctx: Context, layer: int) -> LatticeBias | None:
+        """The offset table of lattice positions (not with "center" heads, whose bias reads the key's absolute
+        position): the bias of keys at every offset seen from a query at the origin, by the code of
+        :meth:`score`. With ``fill_with='inf'`` every head whose field of view lies in an axis half-plane
+        (quadrants, wedges, halves) lets the attention skip the keys outside it."""
+        pos = ctx.pos
+        if self.has_center or not pos.lattice or pos.grid is None or len(pos.grid) != 2:
+            return None
+        h, w = pos.grid
+        with torch.autocast(pos.device.type, enabled=False):
+            off = lattice_offsets(h, w, pos.device).to(ctx["proj"].dtype)  # (1, M, 2): (dy, dx)
+            y, x = off[..., 0], off[..., 1]  # (1, M)
+            keys = torch.stack([x, y, x + y, x - y])  # (4, 1, M)
+            pairs = _Pairs(self, keys.new_zeros(4, 1, 1), keys, layer, ctx)
+            table = pairs.dist.new_empty(self.num_heads, 1, keys.shape[-1])  # (H, 1, M)
+            for head in range(self.num_heads):
+                pairs.fill(head, table[head : head + 1])
+        planes = tuple(_half_plane(bits) if self.fill_with == "inf" else None for bits in self._required)
+        return LatticeBias(table.reshape(self.num_heads, 2 * h - 1, 2 * w - 1), planes)
+
+    def _pairs(self, ctx: Context, rows: slice, layer: int) -> "_Pairs":
+        proj = ctx["proj"]  # (4, B, N)
+        return _Pairs(self, proj[:, :, rows], proj, layer, ctx)
 
     @staticmethod
     def _clear_prefix(bias: Tensor, prefix: int, rows: slice, n: int) -> None:
@@ -393,6 +381,96 @@ class LookHere(Encoding):
             f"{super().extra_repr()}, head_directions={self.head_directions!r}, global_slope={self.global_slope}, "
             f"layer_slopes={self.layer_slopes}, distance={self.distance!r}, fill_with={self.fill_with!r}"
         )
+
+
+def _half_plane(bits: int) -> str | None:
+    """The axis half-plane (:data:`vlpe.encodings.HALF_PLANES`) a field of view with these required bits lies in,
+    if any: its own bit, or the two diagonal bounds that imply it (a wedge ``|dx| <= -dy`` lies in ``dy <= 0``)."""
+    implied = {
+        "up": (_UP, _SUM_NEG | _DIF_POS), "down": (_DOWN, _SUM_POS | _DIF_NEG),
+        "left": (_LEFT, _SUM_NEG | _DIF_NEG), "right": (_RIGHT, _SUM_POS | _DIF_POS),
+    }  # fmt: skip
+    for name, (bit, wedge) in implied.items():
+        if bits & bit or bits & wedge == wedge:
+            return name
+    return None
+
+
+class _Pairs:
+    """LookHere's bias between queries and keys given by their boundary-form projections, one head at a time.
+
+    ``proj_q`` (4, B, n) and ``proj_k`` (4, B, N) hold ``x, y, x + y, x - y`` of the queries and keys (the
+    query rows of ``ctx["proj"]`` and all of it in :meth:`LookHere.score`; a query at the origin and keys at
+    every grid offset for :meth:`LookHere.lattice_bias`). The distance is computed once; the half-plane masks
+    once each, on first use; the field-of-view mask and its fill of the most recent head group are kept.
+    """
+
+    def __init__(self, enc: "LookHere", proj_q: Tensor, proj_k: Tensor, layer: int, ctx: Context) -> None:
+        self.enc, self.proj_q, self.proj_k, self.ctx = enc, proj_q, proj_k, ctx
+        x, y = proj_k[0], proj_k[1]  # (B, N)
+        d2 = (x[:, None, :] - proj_q[0][:, :, None]).square_()  # (B, n, N)
+        d2.addcmul_(dy := y[:, None, :] - proj_q[1][:, :, None], dy)
+        del dy
+        self.dist = enc._dist(d2)  # (B, n, N)
+        self.factor = -enc.global_slope * enc.layer_slope(layer)
+        self.outside: dict[int, Tensor] = {}  # half-plane bit -> (B, n, N) "key outside it"
+        self.group: int | None = None  # the head group whose mask and fill are kept
+        self.hid: Tensor | None = None
+        self.floor: Tensor | None = None  # fill 'inf': (B, n, N) of 0 / -3.39e38
+
+    def _hidden(self, req: int) -> Tensor | None:
+        """``(B, n, N)`` True where the key lies outside the field of view ``req`` (None: sees everything).
+
+        Half-plane ``f(key - query) >= 0`` of a linear form f is ``f(key) >= f(query)``: a comparison of the
+        projections, so no offset tensor is built.
+        """
+        hidden, owned = None, False
+        for bit, (form, positive) in _HALF_PLANES.items():
+            if not req & bit:
+                continue
+            if bit not in self.outside:
+                pk, pq = self.proj_k[form], self.proj_q[form]  # (B, N), (B, n)
+                self.outside[bit] = (torch.lt if positive else torch.gt)(pk[:, None, :], pq[:, :, None])
+            if hidden is None:
+                hidden = self.outside[bit]
+            elif owned:
+                hidden |= self.outside[bit]
+            else:  # never modify a cached half-plane mask in place
+                hidden, owned = hidden | self.outside[bit], True
+        return hidden
+
+    def fill(self, h: int, o: Tensor) -> None:
+        """Write head ``h``'s bias into ``o`` (B, n, N) (prefix tokens not cleared here)."""
+        enc, dist = self.enc, self.dist
+        g = enc._group_of[h]
+        if g != self.group:
+            self.group, self.hid = g, self._hidden(enc._fov_groups[g][0])
+            if self.hid is not None and enc.fill_with == "inf":
+                out = dist.new_empty(dist.shape) if self.floor is None else self.floor
+                self.floor = torch.mul(self.hid, _MASKED, out=out)
+        hid, floor = self.hid, self.floor
+        B, n, N = dist.shape
+        s = self.factor * enc._slopes[h]
+        kind = enc._kinds[h]
+        d = dist
+        if kind == "center":
+            d = self.ctx["centre_dist"][:, None, :].expand(B, n, N)  # the key's distance to the centre
+        if hid is not None and enc.fill_with == "inf":
+            if kind == "zero":
+                o.copy_(floor)
+            else:
+                torch.add(floor, d, alpha=s, out=o)  # -3.39e38 absorbs the penalty exactly
+            return
+        if kind == "zero":
+            o.zero_()
+        else:
+            torch.mul(d, s, out=o)
+        if hid is None:
+            return
+        if enc.fill_with == "zero" or kind == "zero":
+            o.masked_fill_(hid, 0.0)
+        else:  # "max": the largest distance of the grid, penalised like a visible key
+            o.copy_(torch.where(hid, (self.ctx["max_dist"] * s)[:, None, None], o))
 
 
 # LH-90 is the reference's released config (global slope 2, layer slopes 1.5 -> 0.5, quadrants + 90-degree

@@ -21,6 +21,7 @@ __all__ = [
     "irpe_offset_buckets",
     "toeplitz_2d",
     "compact_index_dtype",
+    "lattice_offsets",
 ]
 
 IRPE_METHODS = ("euclidean", "quant", "cross", "product")
@@ -110,3 +111,12 @@ def compact_index_dtype(max_value: int) -> torch.dtype:
     if max_value < 2**15:
         return torch.int16
     return torch.int32
+
+
+def lattice_offsets(h: int, w: int, device: torch.device | str | None = None) -> Tensor:
+    """Every key-minus-query offset of an ``h x w`` grid as coordinates ``(1, (2h-1)(2w-1), 2)`` fp32, ``(dy, dx)``
+    in row-major order from ``(-(h-1), -(w-1))``: keys at these coordinates seen from a query at the origin
+    give a bias encoding's :class:`~vlpe.encodings.LatticeBias` table through its own pairwise code."""
+    dy = torch.arange(-(h - 1), h, device=device, dtype=torch.float32)
+    dx = torch.arange(-(w - 1), w, device=device, dtype=torch.float32)
+    return torch.stack(torch.meshgrid(dy, dx, indexing="ij"), dim=-1).reshape(1, -1, 2)

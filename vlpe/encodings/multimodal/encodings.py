@@ -305,6 +305,13 @@ class PyPE(MultimodalRoPE):
         bias = torch.zeros(forbid.shape, dtype=q.dtype, device=q.device).masked_fill(forbid, float("-inf"))
         return bias.unsqueeze(1)  # (B, 1, n, N)
 
+    def score_heads(self, q: Tensor, k: Tensor, ctx: Context, layer: int, rows: slice):
+        """The mask of the query ``rows``, built once and shared by every head."""
+        if not self.mask:
+            return None
+        bias = self.score(q, k, ctx, layer, rows=rows)  # (B, 1, n, N)
+        return lambda heads: bias
+
     def neutralize(self) -> "PyPE":
         self.freqs.zero_()
         self.mask = False
