@@ -9,7 +9,7 @@ It has timm's model API (``forward_features`` -> tokens, ``forward_head(pre_logi
 ``forward_intermediates``, ``get_classifier`` / ``reset_classifier``, ``prune_intermediate_layers``,
 ``set_grad_checkpointing``, ``group_matcher``) and the Hub's (``save_pretrained`` / ``from_pretrained``,
 :mod:`models.hub`). Importing this module registers it in timm as
-``vlpe_vit_{tiny,small,base,micro}_patch{16_224,8_224,4_32,4_28}`` (encoding by keyword) and, for every
+``vlpe_vit_{tiny,small,base,micro,pico}_patch{16_224,8_224,4_32,4_28}`` (encoding by keyword) and, for every
 registered encoding that runs on a 2D grid, ``<that name>_<encoding>`` (the encoding fixed by the name, which
 is how open_clip's ``timm_model_name`` picks one)::
 
@@ -33,7 +33,7 @@ from vlpe.tokenizers import ImageTokenizer
 from .blocks import Encoder, readout
 from .hub import HubMixin
 
-__all__ = ["ViT", "PRESETS", "vit", "grid_encodings"]
+__all__ = ["ViT", "PRESETS", "vit", "grid_encodings", "timm_name", "register_timm"]
 
 PRESETS: dict[str, dict[str, int]] = {
     "tiny": dict(embed_dim=192, depth=12, num_heads=3),
@@ -41,6 +41,7 @@ PRESETS: dict[str, dict[str, int]] = {
     "base": dict(embed_dim=768, depth=12, num_heads=12),
     # CPU-sized for tests and the CPU configs
     "micro": dict(embed_dim=192, depth=4, num_heads=12),
+    "pico": dict(embed_dim=96, depth=3, num_heads=6),  # heads in threes: LookHere's presets fit
     "nano": dict(embed_dim=64, depth=2, num_heads=4),
 }
 
@@ -333,7 +334,7 @@ class ViT(nn.Module, HubMixin):
 
 
 def vit(preset: str = "small", **kwargs: Any) -> ViT:
-    """A :class:`ViT` from a preset (``tiny``/``small``/``base``/``micro``/``nano``) with overrides."""
+    """A :class:`ViT` from a preset (``tiny``/``small``/``base``/``micro``/``pico``/``nano``) with overrides."""
     if preset not in PRESETS:
         raise ValueError(f"unknown ViT preset {preset!r}; presets: {', '.join(PRESETS)}")
     return ViT(**{**PRESETS[preset], **kwargs})
@@ -350,7 +351,7 @@ def grid_encodings() -> list[str]:
 
 
 # --------------------------------------------------------------------------- timm registration
-TIMM_PRESETS = ("tiny", "small", "base", "micro")
+TIMM_PRESETS = ("tiny", "small", "base", "micro", "pico")
 TIMM_SIZES = ((16, 224), (8, 224), (4, 32), (4, 28))  # (patch, image size)
 default_cfgs: dict[str, Any] = {}  # timm reads the pretrained cfgs of this module's entry points from here
 
@@ -421,49 +422,66 @@ def _create(variant: str, *, preset: str, patch: int, size: int, fixed: str | No
     return model
 
 
-def _register_timm() -> None:
-    try:
-        import timm
-        from timm.models import generate_default_cfgs, register_model
-    except ImportError:  # timm is optional for the library
-        return
-
-    def make(preset: str, patch: int, size: int, encoding: str | None):
-        name = f"vlpe_vit_{preset}_patch{patch}_{size}" + (f"_{encoding}" if encoding else "")
-
-        def entry(pretrained: bool = False, **kwargs: Any) -> ViT:
-            return _create(name, preset=preset, patch=patch, size=size, fixed=encoding, pretrained=pretrained, **kwargs)
-
-        entry.__name__ = entry.__qualname__ = name
-        which = f"the {encoding} encoding" if encoding else "encoding='<name>' (default rope)"
-        entry.__doc__ = f"vlpe ViT-{preset}/{patch} at {size} px with {which}; no pretrained weights."
-        entry.__module__ = __name__
-        cfg = dict(
-            url="",
-            num_classes=1000,
-            input_size=(3, size, size),
-            pool_size=None,
-            crop_pct=1.0,
-            interpolation="bicubic",
-            fixed_input_size=False,
-            mean=(0.0, 0.0, 0.0),  # the vlpe harness feeds [0, 1] pixels, unnormalised
-            std=(1.0, 1.0, 1.0),
-            first_conv="tokenizer.proj",
-            classifier="head",
-            license="apache-2.0",
-        )
-        return name, entry, cfg
-
-    made = [
-        make(preset, patch, size, encoding)
-        for preset in TIMM_PRESETS
-        for patch, size in TIMM_SIZES
-        for encoding in (None, *grid_encodings())
-    ]
-    default_cfgs.update(generate_default_cfgs({name: cfg for name, _, cfg in made}))
-    for name, entry, _ in made:
-        if not timm.is_model(name):
-            globals()[name] = register_model(entry)
+def timm_name(preset: str, patch: int, size: int, encoding: str | None = None) -> str:
+    """The timm architecture name of a vlpe ViT (``encoding``: the one fixed by the name, else by keyword)."""
+    return f"vlpe_vit_{preset}_patch{patch}_{size}" + (f"_{encoding}" if encoding else "")
 
 
-_register_timm()
+def register_timm(encoding: str | None = None) -> list[str]:
+    """Register the ``vlpe_vit_*`` architectures in timm (every preset and size), for ``encoding`` fixed by the
+    name (a registered encoding, e.g. one of your own) or, with None, chosen by keyword. Returns the names;
+    names already registered are left as they are. Import-time registration covers :func:`grid_encodings`."""
+    import timm
+    from timm.models import generate_default_cfgs, register_model
+
+    if encoding is not None:
+        vlpe.encodings.get(encoding)  # ValueError naming the registered ones
+        if encoding not in grid_encodings():
+            raise ValueError(f"encoding {encoding!r} does not run on a 2D grid; grid encodings: {grid_encodings()}")
+    made = {}
+    for preset in TIMM_PRESETS:
+        for patch, size in TIMM_SIZES:
+            name = timm_name(preset, patch, size, encoding)
+            if not timm.is_model(name):
+                made[name] = _entry(name, preset=preset, patch=patch, size=size, encoding=encoding)
+    default_cfgs.update(generate_default_cfgs({name: cfg for name, (_, cfg) in made.items()}))
+    for name, (entry, _) in made.items():
+        globals()[name] = register_model(entry)
+    return [timm_name(p, patch, size, encoding) for p in TIMM_PRESETS for patch, size in TIMM_SIZES]
+
+
+def _entry(name: str, *, preset: str, patch: int, size: int, encoding: str | None):
+    """timm entry point and pretrained cfg of one architecture."""
+
+    def entry(pretrained: bool = False, **kwargs: Any) -> ViT:
+        return _create(name, preset=preset, patch=patch, size=size, fixed=encoding, pretrained=pretrained, **kwargs)
+
+    entry.__name__ = entry.__qualname__ = name
+    which = f"the {encoding} encoding" if encoding else "encoding='<name>' (default rope)"
+    entry.__doc__ = f"vlpe ViT-{preset}/{patch} at {size} px with {which}; no pretrained weights."
+    entry.__module__ = __name__
+    cfg = dict(
+        url="",
+        num_classes=1000,
+        input_size=(3, size, size),
+        pool_size=None,
+        crop_pct=1.0,
+        interpolation="bicubic",
+        fixed_input_size=False,
+        mean=(0.0, 0.0, 0.0),  # the vlpe harness feeds [0, 1] pixels, unnormalised
+        std=(1.0, 1.0, 1.0),
+        first_conv="tokenizer.proj",
+        classifier="head",
+        license="apache-2.0",
+    )
+    return entry, cfg
+
+
+try:
+    import timm as _timm  # noqa: F401  (optional for the library)
+except ImportError:
+    pass
+else:
+    for _enc in (None, *grid_encodings()):
+        register_timm(_enc)
+    del _enc

@@ -1,0 +1,103 @@
+"""open_clip model configs whose vision tower is a vlpe ViT, with any encoding that runs on a 2D grid.
+
+    import open_clip, vlpe.integrations.open_clip as vo
+    [n for n in open_clip.list_models() if n.startswith("vlpe-")]   # vlpe-ViT-S-16-rope, ...-lookhere, ...
+    clip = open_clip.create_model("vlpe-ViT-Pico-4-28-lookhere")
+    tokenizer = open_clip.get_tokenizer("vlpe-ViT-Pico-4-28-lookhere")   # the bundled BPE: no download
+    clip.encode_image(torch.randn(2, 3, 84, 56))                            # any resolution, same weights
+
+How: every config names its tower through open_clip's own ``vision_cfg.timm_model_name`` (open_clip's
+``TimmModel`` builds it with ``timm.create_model``), so open_clip itself is not changed. The tower is a
+``vlpe_vit_<preset>_patch<p>_<size>_<encoding>`` timm architecture (:mod:`models.vit`), whose name fixes
+the encoding; open_clip resets its classifier, pools its class token (``timm_pool="token"``) and adds the
+linear projection to the joint embedding. The text tower is open_clip's ``TextTransformer``.
+
+Towers (:data:`TOWERS`): ``vlpe-ViT-S-16`` (ViT-S/16 at 224 px with open_clip's ViT-S-16 text tower) and
+``vlpe-ViT-Pico-4-28`` (a 3-block, 96-wide ViT at 28 px with a 2-layer text tower: CPU-sized, what
+``eval/zero_shot.py`` trains). :func:`register` adds a config of your own (any encoding, incl. one you
+registered in vlpe). Checked in ``tests/test_integration_open_clip.py`` against open_clip's factory,
+tokenizer and loss classes.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import tempfile
+from typing import Any
+
+__all__ = ["TOWERS", "config_for", "register", "names"]
+
+#: tower name -> (vlpe ViT preset, patch, image size, joint embedding width, open_clip text_cfg)
+TOWERS: dict[str, tuple[str, int, int, int, dict[str, Any]]] = {
+    "vlpe-ViT-S-16": (
+        "small", 16, 224, 384, dict(context_length=77, vocab_size=49408, width=384, heads=6, layers=12)
+    ),
+    "vlpe-ViT-Pico-4-28": (
+        "pico", 4, 28, 96, dict(context_length=16, vocab_size=49408, width=96, heads=2, layers=2)
+    ),
+}
+
+_CONFIG_DIR = tempfile.TemporaryDirectory(prefix="vlpe-open-clip-")  # open_clip re-reads its config files
+_REGISTERED: list[str] = []
+
+
+def config_for(tower: str, encoding: str) -> dict[str, Any]:
+    """The open_clip model config of ``tower`` (:data:`TOWERS`) with ``encoding`` in its vision tower."""
+    from models.vit import register_timm, timm_name
+
+    if tower not in TOWERS:
+        raise ValueError(f"unknown tower {tower!r}; towers: {', '.join(TOWERS)}")
+    preset, patch, size, embed_dim, text_cfg = TOWERS[tower]
+    register_timm(encoding)  # a no-op for the built-ins; names the architecture of an encoding of your own
+    vision_cfg = dict(
+        image_size=size,
+        timm_model_name=timm_name(preset, patch, size, encoding),
+        timm_model_pretrained=False,
+        timm_pool="token",
+        timm_proj="linear",
+    )
+    return dict(embed_dim=embed_dim, vision_cfg=vision_cfg, text_cfg=copy.deepcopy(text_cfg))
+
+
+def register(name: str, config: dict[str, Any]) -> str:
+    """Add ``config`` to open_clip's model configs as ``name`` (``open_clip.list_models()``,
+    ``create_model(name)``, ``get_tokenizer(name)``) through ``open_clip.add_model_config``."""
+    import open_clip
+    import timm
+
+    if not isinstance(name, str) or not name or any(c in name for c in "/\\"):
+        raise ValueError(f"name must be a non-empty string without path separators, got {name!r}")
+    if not isinstance(config, dict) or not all(k in config for k in ("embed_dim", "vision_cfg", "text_cfg")):
+        raise ValueError("config must be an open_clip model config: a dict with embed_dim, vision_cfg and text_cfg")
+    tower = config["vision_cfg"].get("timm_model_name")
+    if tower is not None and not timm.is_model(tower):
+        raise ValueError(f"vision_cfg.timm_model_name {tower!r} is not a timm architecture")
+    path = f"{_CONFIG_DIR.name}/{name}.json"
+    with open(path, "w") as f:
+        json.dump(config, f, indent=2)
+    open_clip.add_model_config(path)
+    if name not in _REGISTERED:
+        _REGISTERED.append(name)
+    return name
+
+
+def names(encoding: str | None = None) -> list[str]:
+    """The open_clip configs this module registered (those of ``encoding`` only, if given)."""
+    return [n for n in _REGISTERED if encoding is None or n.endswith(f"-{encoding}")]
+
+
+def _register_builtins() -> None:
+    import open_clip
+    from models.vit import grid_encodings
+
+    for tower in TOWERS:
+        for encoding in grid_encodings():
+            name = f"{tower}-{encoding}"
+            with open(f"{_CONFIG_DIR.name}/{name}.json", "w") as f:
+                json.dump(config_for(tower, encoding), f, indent=2)
+            _REGISTERED.append(name)
+    open_clip.add_model_config(_CONFIG_DIR.name)  # one rescan for all of them
+
+
+_register_builtins()
