@@ -45,3 +45,23 @@ def test_readme_encoding_and_timm_snippets_run_within_the_memory_budget(tmp_path
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
     r = subprocess.run([sys.executable, str(script)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     assert r.returncode == 0 and "snippets ok" in r.stdout, f"README snippets failed:\n{r.stdout[-2000:]}\n{r.stderr[-3000:]}"
+
+
+@pytest.mark.slow
+def test_readme_timm_open_clip_and_hub_snippets_run_offline(tmp_path):
+    """The timm API, open_clip and save/load blocks, in that order, from a scratch folder, network refused."""
+    script = tmp_path / "ecosystem.py"
+    script.write_text(
+        "import huggingface_hub, torch, timm, models.vit\n"
+        "def _refuse(*a, **k): raise AssertionError('network access attempted')\n"
+        "huggingface_hub.hf_hub_download = _refuse\n"
+        "top1 = 0.5  # what the README's reader measured\n"
+        + _block("features_only=True, out_indices=(-2, -1)")
+        + _block("import open_clip, vlpe.integrations.open_clip")
+        + _block(".save_pretrained(")
+        + "\nassert sorted(p.name for p in __import__('pathlib').Path('vit-fmnist').iterdir()) == "
+        "['README.md', 'config.json', 'model.safetensors']\nprint('snippets ok')\n"
+    )
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1"}
+    r = subprocess.run([sys.executable, str(script)], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=900)
+    assert r.returncode == 0 and "snippets ok" in r.stdout, f"README snippets failed:\n{r.stdout[-2000:]}\n{r.stderr[-3000:]}"
