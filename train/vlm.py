@@ -59,7 +59,8 @@ class ModelSection:
 @dataclass(kw_only=True)
 class DataSection:
     task: Literal["v_niah", "v_niah_d"] = "v_niah"
-    frames: int = 8  # training length (frames per video)
+    frames: int = 8  # training length (frames per video; the longest when train_lengths is given)
+    train_lengths: list[int] | None = None  # several training lengths, e.g. [2, 4, 6, 8] (max = frames); None: frames
     frame_size: int = 16  # a multiple of patch_size * merge_size
     haystack: Literal["procedural", "real"] = "procedural"
     needles: Literal["fashion_mnist", "photos"] = "fashion_mnist"
@@ -131,6 +132,12 @@ def build_datasets(cfg: VLMConfig, *, lengths: tuple[int, ...] | None = None) ->
     L = d.frames
     if L < d.needle_span:
         raise ConfigError(f"data.frames={L} is shorter than data.needle_span={d.needle_span}")
+    if d.train_lengths is not None:
+        tl = [int(x) for x in d.train_lengths]
+        if not tl or max(tl) != L or min(tl) < d.needle_span:
+            raise ConfigError(f"data.train_lengths={d.train_lengths} must be non-empty, end at data.frames={L} (the "
+                              f"longest training video) and be >= data.needle_span={d.needle_span}")  # fmt: skip
+        lengths = lengths or tuple(sorted(set(tl)))
     places = L - d.needle_span + 1
     depths = [i / (places - 1) for i in range(places)] if places > 1 else [0.0]
     common = dict(
