@@ -207,3 +207,68 @@ def test_positions_lattice_flag():
     assert not pos.replace(prefix=1).lattice
     assert not vlpe.Positions(pos.coords, prefix=1, grid=(3, 4)).lattice
     assert not vlpe.Positions.video(2, 3, 3, timestamps=torch.tensor([0.0, 0.7])).lattice
+
+
+@pytest.mark.parametrize("name", ["pape", "pape_ri"])
+def test_widened_qk_fast_path(name):
+    """PaPE's widened q/k: v padded to their width on the fast path (SDPA's fused kernel), same output."""
+    enc = build(name, dim=96, num_heads=12, depth=2).eval()
+    g = torch.Generator().manual_seed(2)
+    valid = torch.ones(2, 21, dtype=torch.bool)
+    valid[0, 15:] = False
+    for pos in (vlpe.Positions.grid(4, 5, prefix=1), vlpe.Positions(torch.randn(2, 21, 2, generator=g), prefix=1,
+                                                                       valid=valid)):
+        q, k, v = _qkv(pos, 12)
+        ctx = enc.prepare(pos)
+        with torch.no_grad():
+            ref = vlpe.attend(q, k, v, enc=enc, ctx=ctx, layer=1, fast=False)
+            fast = vlpe.attend(q, k, v, enc=enc, ctx=ctx, layer=1, fast=True)
+        assert fast.shape == ref.shape == v.shape
+        torch.testing.assert_close(fast, ref, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("name,options", [e for e in BIAS_ENCODINGS if e[0] != "fire"])
+def test_score_heads_is_score_head_by_head(name, options):
+    """``score_heads`` builds exactly ``score``'s values, one head (or a shared head) at a time."""
+    enc = _build(name, options)
+    pos = vlpe.Positions.grid(5, 6, prefix=2)
+    q, k, _ = _qkv(pos, enc.num_heads)
+    ctx = enc.prepare(pos)
+    for rows in (slice(0, 1), slice(0, 9), slice(5, 32)):
+        qr = q[:, :, rows]
+        want = enc.score(qr, k, ctx, 2, rows=rows).expand(2, enc.num_heads, -1, -1)
+        build = enc.score_heads(qr, k, ctx, 2, rows)
+        got = torch.cat([build(slice(h, h + 1)).expand(2, 1, -1, -1) for h in range(enc.num_heads)], dim=1)
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("options", [o for n, o in BIAS_ENCODINGS if n == "irpe"])
+def test_irpe_lattice_tables_are_the_dense_bias(options):
+    """iRPE's offset tables: float tables (bias mode) and the bucket table with per-query values (contextual key
+    term) give ``score``'s bias for every patch pair, and one bias per head (per query) for prefix pairs."""
+    enc = _build("irpe", options)
+    pos = vlpe.Positions.grid(5, 6, prefix=2)
+    q, k, _ = _qkv(pos, enc.num_heads)
+    ctx = enc.prepare(pos)
+    lat = enc.lattice_bias(ctx, 1)
+    if enc.mode == "contextual" and (enc.rpe_on != "k" or enc.method == "cross"):
+        assert lat is None  # the query term reads the keys
+        return
+    dense = enc.score(q, k, ctx, 1).expand(2, enc.num_heads, -1, -1)  # (B, H, N, N)
+    P, (h, w) = pos.prefix, pos.grid
+    r, c = torch.meshgrid(torch.arange(h), torch.arange(w), indexing="ij")
+    r, c = r.flatten(), c.flatten()
+    at = (r[None, :] - r[:, None] + h - 1, c[None, :] - c[:, None] + w - 1)  # key minus query
+    for head in range(enc.num_heads):
+        t = lat.table[head if lat.table.shape[0] > 1 else 0]
+        if lat.values is None:
+            patch = t[at].expand(2, -1, -1)
+            pre = (lat.prefix_bias[head if lat.prefix_bias.numel() > 1 else 0]).expand(2, pos.num_tokens, P)
+        else:
+            vals = lat.values(q[:, head], head)  # (B, N, K)
+            patch = torch.gather(vals[:, P:], -1, t[at].expand(2, -1, -1))
+            pre = vals[..., lat.prefix_bucket, None].expand(2, pos.num_tokens, P)
+        torch.testing.assert_close(patch, dense[:, head, P:, P:], rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(pre, dense[:, head, :, :P], rtol=1e-6, atol=1e-6)
+        row = dense[:, head, :P]  # prefix queries: one bias on every key
+        assert torch.equal(row, row[..., :1].expand_as(row))

@@ -12,12 +12,16 @@ when no autograd graph is needed; ``fast=True`` forces it, ``fast=False`` keeps 
 call per head and query chunk, the chunk's bias at most :data:`FAST_BIAS_BYTES`, built just before the call
 reads it, while it is still in cache, and the keys and values of that head stay cached across its chunks.
 
-* on lattice positions (``Positions.lattice``) an encoding's :meth:`~vlpe.encodings.Encoding.lattice_bias`
-  table gives every chunk's bias as one strided copy of a ``(2h-1, 2w-1)`` table (no arithmetic per pair),
-  and the keys outside a head's masked half-plane (LookHere's fields of view) are not computed at all;
+* on lattice positions (``Positions.lattice``; any 2D grid for iRPE, which reads only the grid) an
+  encoding's :meth:`~vlpe.encodings.Encoding.lattice_bias` table gives every chunk's bias as one strided
+  copy of a ``(2h-1, 2w-1)`` table (no arithmetic per pair; iRPE's contextual term one gather of the
+  chunk's per-query bucket values), and the keys outside a head's masked half-plane (LookHere's fields of
+  view) are not computed at all;
 * otherwise :meth:`~vlpe.encodings.Encoding.score_heads` builds the chunk's bias head by head, sharing the
   per-chunk work (distances, masks, index maps) between heads;
-* encodings with neither keep the reference path.
+* encodings with neither keep the reference path;
+* widened q/k (``widen``, PaPE) get v padded with zero channels to their width: SDPA's fused CPU kernel needs
+  one head width and otherwise falls back to its math kernel, which holds the (B, H, N, N) attention.
 
 Training (and any call needing autograd) always takes the reference path. The fast path equals it to fp32
 rounding (the same bias values; skipped keys have attention weight exactly 0), checked in
@@ -51,7 +55,7 @@ MAX_BIAS_BYTES = 16 * 2**20
 #: The inference fast path is taken automatically from this many tokens on (see the module docstring).
 FAST_MIN_TOKENS = 1024
 #: Largest bias (bytes) of one head and query chunk on the fast path: small enough to stay in cache.
-FAST_BIAS_BYTES = 2**20
+FAST_BIAS_BYTES = 4 * 2**20
 
 
 def _key_padding(ctx: Context | None, dtype: torch.dtype) -> Tensor | None:
@@ -151,7 +155,7 @@ def attend(
 
     ``ctx`` is ``enc.prepare(pos)``, built once per forward and shared by all layers. ``attn_mask`` is an
     extra additive (float) or keep (bool) mask broadcastable to (B, H, N, N). ``fast``: the inference fast
-    path of the ``sdpa`` backend for bias encodings (module docstring): None takes it from
+    path of the ``sdpa`` backend for bias and widening encodings (module docstring): None takes it from
     :data:`FAST_MIN_TOKENS` tokens on when nothing needs gradients, True whenever it applies (a
     ``ValueError`` says why it cannot: autograd, ``attn_mask``, ``is_causal``, dropout, another backend or a
     ``values`` term), False never.
@@ -181,7 +185,7 @@ def attend(
         if backend == "flex":
             raise ValueError(f"{type(enc).__name__} has a values term, which needs the eager backend, not flex")
 
-    if has_score and fast is not False:
+    if (has_score or q.shape[-1] != v.shape[-1]) and fast is not False:
         why = _fast_blocker(backend, has_values, attn_mask, is_causal, dropout_p, enc, (q, k, v))
         if fast and why:
             raise ValueError(f"attend(fast=True): the inference fast path does not apply: {why}")
@@ -259,9 +263,23 @@ def _fast_blocker(backend, has_values, attn_mask, is_causal, dropout_p, enc, ten
 
 
 def _fast_attention(q, k, v, enc, ctx, layer, scale, pad) -> Tensor | None:
-    """The fast path (module docstring): lattice tables, else per-head builders; None: neither is offered."""
+    """The fast path (module docstring): lattice tables, else per-head builders; None: neither is offered.
+
+    Widened q/k (``widen``, PaPE) have more channels than v; SDPA's fused CPU kernel needs one width (else
+    it falls back to the math kernel, which holds the (B, H, N, N) attention), so v gets zero channels: they
+    change neither the attention nor the first ``Dv`` output channels, which are returned.
+    """
+    Dq, Dv = q.shape[-1], v.shape[-1]
+    if Dq != Dv:
+        width = max(Dq, Dv)
+        q, k = (F.pad(t, (0, width - Dq)) for t in (q, k)) if Dq < width else (q, k)
+        v = F.pad(v, (0, width - Dv)) if Dv < width else v
+        if enc is None or not enc.uses("score"):
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=pad, scale=scale)[..., :Dv]
+        out = _fast_attention(q, k, v, enc, ctx, layer, scale, pad)
+        return None if out is None else out[..., :Dv]
     pos = ctx.pos
-    if pad is None and pos.lattice and pos.grid is not None and len(pos.grid) == 2:
+    if pad is None and pos.grid is not None and len(pos.grid) == 2:  # the encoding checks pos.lattice if it must
         lat = enc.lattice_bias(ctx, layer)
         if lat is not None:
             return _lattice_attention(q, k, v, lat, pos, scale)
@@ -311,35 +329,40 @@ def _to_frame(x: Tensor, h: int, w: int, transpose: bool, flip: bool) -> Tensor:
 
 
 def _lattice_attention(q, k, v, lat: LatticeBias, pos: Positions, scale) -> Tensor:
-    """SDPA per head and chunk of query rows with the bias copied from the lattice table ``lat``.
+    """SDPA per head and chunk of query rows with the bias read off the lattice table ``lat``.
 
     Per head the grid is seen in the frame (transposed and/or row-flipped) where its masked half-plane
-    is "key row <= query row". In that frame queries go in reverse raster order, so the bias of query
+    is "key row <= query row". In that frame queries go in reverse raster order, so the entry of query
     ``(h'-1-a, w'-1-b)`` and key ``(r, c)`` is ``table'[a + r, b + c]``: one strided view of the table, copied
-    chunk by chunk into the mask. A chunk of query rows whose lowest row is ``h'-1-a`` sees keys of rows
-    ``<= h'-1-a`` only, so only those (a contiguous prefix of the keys) are passed. Prefix queries attend
-    with bias 0 to every key and patch queries with bias 0 to prefix keys (the :class:`LatticeBias`
-    contract). Checked against the reference path in tests/test_fast_attention.py.
+    (float tables) or gathered from the chunk's ``lat.values`` (bucket tables) chunk by chunk into the mask.
+    A chunk of query rows whose lowest row is ``h'-1-a`` sees keys of rows ``<= h'-1-a`` only, so only those
+    (a contiguous prefix of the keys) are passed. Prefix queries see one bias on every key and attend
+    without it; patch queries get the prefix bias on prefix keys (the :class:`LatticeBias` contract).
+    Checked against the reference path in tests/test_fast_attention.py.
     """
     B, H, N, D = q.shape
     Dv = v.shape[-1]
     P = pos.prefix
     h, w = pos.grid
     out = q.new_empty(B, H, N, Dv)
-    if P:  # prefix queries: no bias to any key
+    if P:  # prefix queries: the same bias on every key, which softmax ignores
         out[:, :, :P] = F.scaled_dot_product_attention(q[:, :, :P], k, v, scale=scale)
+    Bm = B if lat.values is not None else 1  # bucket tables: per-sample bias (it reads the queries)
     esize = q.element_size()
-    chunk_rows = {wf: max(1, FAST_BIAS_BYTES // (esize * wf * N)) for wf in (h, w)}  # frame rows per chunk
-    buf = q.new_empty(max(r * wf * N for wf, r in chunk_rows.items()))
+    chunk_rows = {wf: max(1, FAST_BIAS_BYTES // (esize * Bm * wf * N)) for wf in (h, w)}  # frame rows per chunk
+    buf = q.new_empty(max(Bm * r * wf * N for wf, r in chunk_rows.items()))
     for head in range(H):
         plane = lat.half_planes[head]
         tr, fl = _FRAMES[plane]
         hf, wf = (w, h) if tr else (h, w)
-        t = lat.table[head]  # (2h-1, 2w-1) at key-minus-query offsets
+        t = lat.table[head if lat.table.shape[0] > 1 else 0]  # (2h-1, 2w-1) at key-minus-query offsets
         t = t.transpose(0, 1) if tr else t
-        t = (t.flip(0) if fl else t).to(q.dtype).contiguous()  # (2hf-1, 2wf-1) in frame offsets
+        t = t.flip(0) if fl else t
+        t = t.contiguous() if lat.values is not None else t.to(q.dtype).contiguous()  # (2hf-1, 2wf-1), frame
         stride = 2 * wf - 1
         windows = t.as_strided((hf, wf, hf, wf), (stride, 1, stride, 1))  # [a, b, r, c] = t[a + r, b + c]
+        if lat.values is None:
+            pre = 0.0 if lat.prefix_bias is None else lat.prefix_bias[head if lat.prefix_bias.numel() > 1 else 0]
         if plane is None:
             kf, vf = k[:, head], v[:, head]  # (B, N, D): identity frame, prefix first
         else:
@@ -353,12 +376,19 @@ def _lattice_attention(q, k, v, lat: LatticeBias, pos: Positions, scale) -> Tens
             m = (e - a) * wf
             kr = hf - a if plane is not None else hf  # frame rows of keys this chunk can see
             nk = P + kr * wf
-            mask = buf[: m * nk].view(m, nk)
-            mask[:, :P] = 0
-            mask[:, P:].view(e - a, wf, kr, wf).copy_(windows[a:e, :, :kr])
+            mask = buf[: Bm * m * nk].view(Bm, m, nk)
+            qc = qf[:, a * wf : e * wf]  # (B, m, D)
+            if lat.values is None:
+                mask[:, :, :P] = pre
+                mask[:, :, P:].view(1, e - a, wf, kr, wf).copy_(windows[None, a:e, :, :kr])
+            else:
+                vals = lat.values(qc, head).to(q.dtype)  # (B, m, K)
+                mask[:, :, :P] = vals[..., lat.prefix_bucket, None]
+                src = vals.view(B, e - a, wf, 1, -1).expand(B, e - a, wf, kr, vals.shape[-1])
+                idx = windows[None, a:e, :, :kr].expand(B, e - a, wf, kr, wf)
+                torch.gather(src, -1, idx, out=mask[:, :, P:].view(B, e - a, wf, kr, wf))
             of[:, a * wf : e * wf] = F.scaled_dot_product_attention(
-                qf[:, None, a * wf : e * wf], kf[:, None, :nk], vf[:, None, :nk], attn_mask=mask[None, None],
-                scale=scale,
+                qc[:, None], kf[:, None, :nk], vf[:, None, :nk], attn_mask=mask[:, None], scale=scale
             )[:, 0]
         o = of.unflatten(1, (hf, wf))
         o = o.flip(2) if fl else o.flip(1, 2)  # reverse raster -> frame raster -> grid rows

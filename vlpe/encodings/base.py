@@ -21,7 +21,7 @@ term from attention probabilities
 block_mask)
 ``score_heads(q, k, ctx, layer, rows)`` ->   alibi, lookhere, irpe, pype mask                None
 per-head bias builder (inference fast path)
-``lattice_bias(ctx, layer)`` -> offset       alibi, lookhere, fire                           None
+``lattice_bias(ctx, layer)`` -> offset       alibi, lookhere, fire, irpe                     None
 table (inference fast path on lattices)
 ===========================================  ==============================================  =================
 
@@ -72,26 +72,38 @@ class LatticeBias:
     """An encoding's bias on lattice positions (``Positions.lattice``, grid ``(h, w)``) as one offset table.
 
     Attributes:
-        table: ``(H, 2h - 1, 2w - 1)`` fp32: the bias of a patch query and a patch key whose key-minus-query
-            grid offset is ``(dy, dx)`` is ``table[:, dy + h - 1, dx + w - 1]``. Every pair involving a prefix
-            token has bias 0.
+        table: ``(H', 2h - 1, 2w - 1)`` (``H'`` = H, or 1 shared by the heads), indexed by the key-minus-query
+            grid offset ``(dy, dx)`` of a patch query and a patch key at ``[:, dy + h - 1, dx + w - 1]``: their
+            bias (float), or with ``values`` their bucket (int64).
         half_planes: per head None or one of :data:`HALF_PLANES`: the table masks every key outside that
             half-plane of the query (a bias whose attention weight is exactly 0), so the fast path may skip
             those keys without changing the result.
+        values: None, or ``values(q, head) -> (B, m, K)``: the bias of each of ``m`` queries of head ``head``
+            (``q`` (B, m, Dh) as they enter attention) for each of ``K`` buckets (iRPE's contextual term).
+        prefix_bias: float tables: ``(H',)`` bias of every pair with a prefix token (None: 0).
+        prefix_bucket: bucket tables: the bucket of every pair with a prefix token.
+
+    Every pair with a prefix token has one bias per head (per query for bucket tables), so a prefix query
+    sees the same bias on every key: softmax ignores it, and the fast path attends prefix queries without it.
     """
 
     table: Tensor
     half_planes: tuple[str | None, ...]
+    values: Callable[[Tensor, int], Tensor] | None = None
+    prefix_bias: Tensor | None = None
+    prefix_bucket: int = 0
 
     def __post_init__(self) -> None:
-        if self.table.dim() != 3 or len(self.half_planes) != self.table.shape[0]:
+        if self.table.dim() != 3 or len(self.half_planes) < self.table.shape[0]:
             raise ValueError(
-                f"LatticeBias needs a (H, 2h-1, 2w-1) table and one half-plane (or None) per head, got a table of "
-                f"shape {tuple(self.table.shape)} and {len(self.half_planes)} half-planes"
+                f"LatticeBias needs a (H or 1, 2h-1, 2w-1) table and one half-plane (or None) per head, got a "
+                f"table of shape {tuple(self.table.shape)} and {len(self.half_planes)} half-planes"
             )
         bad = [p for p in self.half_planes if p is not None and p not in HALF_PLANES]
         if bad:
             raise ValueError(f"LatticeBias half-planes must be None or one of {HALF_PLANES}, got {bad}")
+        if (self.values is not None) != (not self.table.is_floating_point()):
+            raise ValueError("LatticeBias: a float table is the bias; an int64 bucket table needs values=")
 
 
 class Context:
@@ -267,7 +279,8 @@ class Encoding(nn.Module):
     def lattice_bias(self, ctx: Context, layer: int) -> LatticeBias | None:
         """The bias as an offset table when ``ctx.pos.lattice`` (override; None: unsupported).
 
-        Only for biases that depend on the grid offset alone and are 0 for every pair with a prefix token.
+        Only for biases that depend on the grid offset alone (and on the query, through ``values``), with one
+        bias for every pair involving a prefix token (see :class:`LatticeBias`).
         """
         return None
 

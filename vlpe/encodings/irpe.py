@@ -8,7 +8,7 @@ from typing import Literal
 import torch
 from torch import Tensor, nn
 
-from .base import Context, Encoding
+from .base import Context, Encoding, LatticeBias
 from .functional.bias import (
     IRPE_METHODS,
     compact_index_dtype,
@@ -144,6 +144,50 @@ class IRPE(Encoding):
         self._cache[key] = ids
         return ids
 
+    def offset_buckets(self, h: int, w: int, device: torch.device | str | None = None) -> Tensor:
+        """Bucket of every grid offset, ``(P, 2h - 1, 2w - 1)`` int64 at query-minus-key ``[p, dr + h - 1,
+        dc + w - 1]`` (:func:`irpe_offset_buckets`), cached per ``(h, w, device)``."""
+        device = torch.device("cpu") if device is None else torch.device(device)
+        key = ("offsets", int(h), int(w), device.type, device.index)
+        if key not in self._cache:
+            if len(self._cache) >= _CACHE_SIZE:
+                self._cache.pop(next(iter(self._cache)))
+            self._cache[key] = irpe_offset_buckets(self.method, h, w, self.alpha, self.beta, self.gamma).to(device)
+        return self._cache[key]
+
+    def lattice_bias(self, ctx: Context, layer: int) -> LatticeBias | None:
+        """The offset table of the grid (buckets depend on grid offsets only, so any grid qualifies): bias mode
+        as float tables (the learned scalar of each offset's bucket, both sides and parts summed as in
+        :meth:`score`); the contextual key term as the bucket table with ``values`` = ``q @ table_k`` (one
+        part: not ``cross``); the contextual query term reads the keys and is not offered."""
+        self.check_layer(layer)
+        pos = ctx.pos
+        contextual = self.mode == "contextual"
+        if contextual and (self.rpe_on != "k" or self.parts != 1):
+            return None
+        h, w = pos.grid
+        T = self.offset_buckets(h, w, pos.device)  # (P, 2h-1, 2w-1) query-minus-key
+        keys_side = T.flip(-2, -1)  # I(i, j) at key-minus-query offsets
+        planes = (None,) * self.num_heads
+        if contextual:
+            table_k, scale = self.table_k[layer], self.head_dim**-0.5  # (H', Dh, K)
+
+            def values(q: Tensor, head: int) -> Tensor:  # (B, m, Dh) -> (B, m, K), as score's q @ table
+                return (q * scale) @ table_k[head if table_k.shape[0] > 1 else 0].to(q.dtype)
+
+            return LatticeBias(keys_side, planes, values=values, prefix_bucket=self.grid_buckets)
+        table, prefix = None, None
+        for side, buckets in (("k", keys_side), ("q", T)):  # I(j, i) of the query side: the reversed offset
+            if side not in self.rpe_on:
+                continue
+            r = getattr(self, f"table_{side}")[layer]  # (H', P*K)
+            for part in range(self.parts):
+                off = part * self.num_buckets
+                term, pre = r[:, buckets[part] + off], r[:, self.grid_buckets + off]  # (H', 2h-1, 2w-1), (H',)
+                table = term if table is None else table + term
+                prefix = pre if prefix is None else prefix + pre
+        return LatticeBias(table, planes, prefix_bias=prefix)
+
     def _prepare(self, ctx: Context) -> None:
         h, w = ctx.pos.grid
         ctx["ids"] = self.bucket_ids(h, w, ctx.pos.prefix, ctx.pos.device)  # (P, N, N)
@@ -170,9 +214,9 @@ class IRPE(Encoding):
         return None if build is None else build(slice(None))
 
     def score_heads(self, q: Tensor, k: Tensor, ctx: Context, layer: int, rows: slice):
-        """Per-head bias of the query ``rows`` (the terms of :meth:`score`): the int64 bucket indices and the
-        ``q @ table`` products once per call, then one gather per head. Bias mode with a shared table gives one
-        bias for every head."""
+        """Per-head bias of the query ``rows`` (the terms of :meth:`score`, which is all heads of it): the int64
+        bucket indices and the ``q @ table`` products once per call, then one gather per head. Bias mode with a
+        shared table gives one bias for every head."""
         self.check_layer(layer)
         if "q" not in self.rpe_on and "k" not in self.rpe_on:
             return None
