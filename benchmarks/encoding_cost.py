@@ -17,6 +17,19 @@ tensors rather than cached heap.
     python benchmarks/encoding_cost.py --encodings rope rope_mixed ape
     python benchmarks/encoding_cost.py --memory --encodings rope rope_mixed alibi
 
+One layer (``--layer``): one inference attention layer at a large grid (default 1024 x 1024 px, patch 16 -> 64x64
++ CLS = 4097 tokens, 12 heads of 64, batch 1; one thread by default): ``prepare`` + ``vlpe.attend`` on fixed
+q, k, v for every bias encoding, on the reference path (``fast=False``, what every call took before the fast
+path existed) and on the automatic path, interleaved in every round with ``nope``; the table gives both
+ratios to ``nope`` and the largest difference of the two outputs. ``pype`` (a VLM decoder encoding) attends
+over its own positions of the same token count (one 128 x 128 image merged 2 x 2 after one text token).
+``--flex`` adds the compiled FlexAttention path on CPU, its compile time (paid once per shape) printed apart.
+
+    python benchmarks/encoding_cost.py --layer
+    python benchmarks/encoding_cost.py --layer --flex --encodings alibi lookhere
+
+The memory mode measures the automatic path; ``--reference`` measures the reference path instead.
+
 ``pape_naive`` (not a registered encoding) is PaPE in the reference implementation's naive widened form
 (``3M + 2`` extra q/k channels instead of ``1 + P(P+1)/2 + P``), same parameters and logits; it is timed beside
 ``pape`` so the table shows the folded form against the formulation it replaces.
@@ -188,6 +201,102 @@ def run_timing(args, device):
     return report
 
 
+# --------------------------------------------------------------------------- one layer
+#: the encodings of the one-layer table: every bias encoding (score / widen hook) and its variants
+LAYER_ENCODINGS = ["alibi", "lookhere", "lh180", "lh45", "irpe", "fire", "pape", "pape_ri", "pype"]
+
+
+def _pype_positions(tokens: int, depth: int, device) -> vlpe.Positions:
+    """PyPE's per-layer positions of one square image (merged 2 x 2) after text, ``tokens`` tokens in all."""
+    from vlpe.encodings import multimodal as mm
+
+    side = int(round((tokens - 1) ** 0.5))
+    types = torch.tensor([[0] * (tokens - side * side) + [1] * (side * side)], device=device)
+    grid = torch.tensor([[1, 2 * side, 2 * side]], device=device)
+    ids, _ = mm.position_ids("pype", types, grid, depth=depth)  # (depth, 1, S)
+    return vlpe.Positions(ids.permute(1, 2, 0).float())
+
+
+def run_layer(args, device):
+    """One inference attention layer per encoding, reference path vs automatic path, side by side."""
+    side = args.image // args.patch
+    grid_pos = vlpe.Positions.grid(side, side, prefix=1, device=device)
+    N, H, D = grid_pos.num_tokens, args.heads, args.dim // args.heads
+    names = ["nope"] + [n for n in (args.encodings or LAYER_ENCODINGS) if n != "nope"]
+    g = torch.Generator(device="cpu").manual_seed(0)
+    q, k, v = (torch.randn(args.batch, H, N, D, generator=g).to(device) for _ in range(3))
+    encs, positions = {}, {}
+    for name in names:
+        opts = {"depth": args.depth} if name == "pype" else {"depth": args.depth, "num_axes": 2}
+        encs[name] = build(name, dim=args.dim, num_heads=H, **opts).to(device).eval()
+        positions[name] = _pype_positions(N, args.depth, device) if name == "pype" else grid_pos
+    layer = args.depth // 2
+
+    def call(name, fast, backend="sdpa"):
+        enc = encs[name]
+        ctx = enc.prepare(positions[name])
+        return vlpe.attend(q, k, v, enc=enc, ctx=ctx, layer=layer, fast=fast, backend=backend)
+
+    runs = {("nope", "auto"): lambda: call("nope", None)}
+    for name in names[1:]:
+        runs[name, "reference"] = lambda name=name: call(name, False)
+        runs[name, "auto"] = lambda name=name: call(name, None)
+    compile_s, failed = {}, {}
+    if args.flex:
+        for name in names:
+            try:
+                t0 = time.perf_counter()
+                with torch.inference_mode():
+                    call(name, None, "flex")  # the first call compiles (once per shape)
+                compile_s[name] = time.perf_counter() - t0
+                runs[name, "flex"] = lambda name=name: call(name, None, "flex")
+            except Exception as e:  # e.g. a values term, which flex cannot take
+                failed[name] = f"{type(e).__name__}: {e}"
+    timer = time.process_time if args.clock == "cpu" else time.perf_counter
+    diffs = {}
+    with torch.inference_mode():
+        for name in names[1:]:
+            diffs[name] = (runs[name, "auto"]() - runs[name, "reference"]()).abs().max().item()
+        keys = list(runs)
+        best = {key: float("inf") for key in keys}
+        for r in range(args.rounds):
+            shift = r % len(keys)
+            for key in keys[shift:] + keys[:shift]:
+                _sync(device)
+                t0 = timer()
+                runs[key]()
+                _sync(device)
+                best[key] = min(best[key], timer() - t0)
+    base = best["nope", "auto"]
+    print(f"\none attention layer, inference: {side}x{side}+1 = {N} tokens, {H} heads of {D}, batch {args.batch}, "
+          f"{args.rounds} interleaved rounds, minimum ({device}, {torch.get_num_threads()} threads, {args.clock} clock)")
+    print(f"nope: {1e3 * base:.1f} ms")
+    head = f"{'encoding':<12}{'reference x nope':>18}{'fast path x nope':>18}{'speed-up':>10}{'max |diff|':>12}"
+    print(head + (f"{'flex x nope':>13}{'flex compile s':>16}" if args.flex else ""))
+    rows = {}
+    for name in names[1:]:
+        ref, auto = best[name, "reference"], best[name, "auto"]
+        row = {"reference_ms": 1e3 * ref, "auto_ms": 1e3 * auto, "reference_ratio": ref / base,
+               "auto_ratio": auto / base, "max_abs_diff": diffs[name]}
+        line = f"{name:<12}{ref / base:>17.2f}x{auto / base:>17.2f}x{ref / auto:>9.2f}x{diffs[name]:>12.1e}"
+        if args.flex:
+            if (name, "flex") in best:
+                row["flex_ratio"], row["flex_compile_s"] = best[name, "flex"] / base, compile_s[name]
+                line += f"{row['flex_ratio']:>12.2f}x{compile_s[name]:>16.1f}"
+            else:
+                line += f"{'failed':>13}"
+        rows[name] = row
+        print(line)
+    if args.flex and ("nope", "flex") in best:
+        print(f"flex nope: {best['nope', 'flex'] / base:.2f}x nope on SDPA, compile {compile_s['nope']:.1f} s")
+    for name, why in failed.items():
+        print(f"flex {name}: {why}", file=sys.stderr)
+    return {"mode": "layer", "device": str(device), "threads": torch.get_num_threads(), "torch": torch.__version__,
+            "tokens": N, "heads": H, "head_dim": D, "batch": args.batch, "rounds": args.rounds, "clock": args.clock,
+            "nope_ms": 1e3 * base, "results": rows,
+            "flex_nope_ratio": best["nope", "flex"] / base if ("nope", "flex") in best else None}
+
+
 # --------------------------------------------------------------------------- memory
 def _rss_bytes() -> int:
     with open("/proc/self/statm") as f:
@@ -204,6 +313,8 @@ def memory_child(args, device) -> dict:
     if args.memory_child not in encs:
         return {"name": args.memory_child, "skipped": skipped.get(args.memory_child, "not built")}
     enc = encs[args.memory_child].eval()
+    if args.reference:
+        vlpe.attention.FAST_MIN_TOKENS = 1 << 62  # the reference path only
     pos = vlpe.Positions.grid(side, side, prefix=1, device=device)
     x = torch.randn(args.batch, pos.num_tokens, args.dim, device=device)
     with torch.inference_mode():
@@ -237,6 +348,7 @@ def run_memory(args, device):
                    "--image", str(args.image), "--patch", str(args.patch), "--dim", str(args.dim),
                    "--heads", str(args.heads), "--depth", str(args.depth), "--batch", str(args.batch),
                    "--backend", args.backend, "--device", str(device), "--threads", str(args.threads)]
+            cmd += ["--reference"] if args.reference else []
             # glibc: serve every allocation >= 64 KiB by mmap and return it on free, so the resident set
             # follows live tensors instead of the allocator's cached heap
             env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536", "MALLOC_TRIM_THRESHOLD_": "0"}
@@ -252,7 +364,8 @@ def run_memory(args, device):
                 rows[name] = r
     base = rows.get("nope", {}).get("delta_bytes")
     print(f"\ninference peak memory above the start level, {side}x{side}+1 = {side * side + 1} tokens, "
-          f"batch {args.batch}, {args.depth} layers x {args.heads} heads, dim {args.dim} ({device})")
+          f"batch {args.batch}, {args.depth} layers x {args.heads} heads, dim {args.dim} ({device}, "
+          f"{'reference' if args.reference else 'automatic'} attention path)")
     print(f"{'encoding':<14}{'peak delta MiB':>16}{'x nope':>9}{'forward s':>11}")
     for name, r in rows.items():
         if "delta_bytes" not in r:
@@ -260,7 +373,8 @@ def run_memory(args, device):
             continue
         r["ratio"] = round(r["delta_bytes"] / base, 4) if base else None
         print(f"{name:<14}{r['delta_bytes'] / 2**20:>16.1f}{(r['ratio'] or float('nan')):>9.3f}{r['seconds']:>11.2f}")
-    return {"mode": "memory", "device": str(device), "torch": torch.__version__, "image": args.image,
+    return {"mode": "memory", "reference": args.reference, "device": str(device), "torch": torch.__version__,
+            "image": args.image,
             "patch": args.patch, "grid": [side, side], "batch": args.batch,
             "model": {"dim": args.dim, "heads": args.heads, "depth": args.depth, "backend": args.backend},
             "repeats": args.repeats, "results": rows}
@@ -280,31 +394,41 @@ def main(argv=None):
     p.add_argument("--heads", type=int, default=None, help="attention heads (6 timing, 12 memory)")
     p.add_argument("--depth", type=int, default=12)
     p.add_argument("--backend", default="sdpa", choices=["sdpa", "eager"])
-    p.add_argument("--threads", type=int, default=os.cpu_count(), help="torch.set_num_threads (default: all cores)")
+    p.add_argument("--threads", type=int, default=None,
+                   help="torch.set_num_threads (default: all cores; layer mode: 1)")
     p.add_argument("--device", default="cpu")
     p.add_argument("--clock", default="wall", choices=["wall", "cpu"],
                    help="wall: elapsed time; cpu: process CPU time (steadier on a shared machine)")
     p.add_argument("--memory", action="store_true", help="inference peak-memory mode, one subprocess per encoding")
+    p.add_argument("--layer", action="store_true",
+                   help="one inference attention layer at --image px: reference path vs fast path, per encoding")
+    p.add_argument("--flex", action="store_true", help="layer mode: also the compiled FlexAttention path")
+    p.add_argument("--reference", action="store_true", help="memory mode: the reference attention path only")
     p.add_argument("--image", type=int, default=1024, help="memory mode: image side in pixels")
     p.add_argument("--patch", type=int, default=16, help="memory mode: patch size")
-    p.add_argument("--batch", type=int, default=1, help="memory mode: batch size")
+    p.add_argument("--batch", type=int, default=1, help="memory and layer modes: batch size")
     p.add_argument("--repeats", type=int, default=1, help="memory mode: subprocess runs per encoding (min kept)")
     p.add_argument("--out", default=None, help="JSON path (default outputs/bench/encodings[_memory].json)")
     p.add_argument("--memory-child", default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
 
-    big = args.memory or args.memory_child
+    big = args.memory or args.memory_child or args.layer
     args.dim = args.dim or (768 if big else 384)
     args.heads = args.heads or (12 if big else 6)
+    args.threads = args.threads or (1 if args.layer else os.cpu_count())
     torch.set_num_threads(max(1, args.threads))
     device = torch.device(args.device)
 
     if args.memory_child:
         print(json.dumps(memory_child(args, device)))
         return
-    report = run_memory(args, device) if args.memory else run_timing(args, device)
-    out = Path(args.out) if args.out else ROOT / "outputs" / "bench" / (
-        "encodings_memory.json" if args.memory else "encodings.json")
+    if args.layer:
+        report, name = run_layer(args, device), "encodings_layer.json"
+    elif args.memory:
+        report, name = run_memory(args, device), "encodings_memory.json"
+    else:
+        report, name = run_timing(args, device), "encodings.json"
+    out = Path(args.out) if args.out else ROOT / "outputs" / "bench" / name
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=2))
     print(f"\nwrote {out}")
