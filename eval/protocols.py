@@ -71,7 +71,7 @@ VIT = Protocol(
     train=(
         "model.preset=micro", "model.embed_dim=64", "model.depth=4", "model.num_heads=4", "model.patch_size=4",
         "model.readout=cls", "model.label_smoothing=0.1", "data.dataset=fashion_mnist", "data.img_size=28",
-        "data.train_limit=null", "data.val_limit=2000", "data.augment=false", "train.micro_batch=128",
+        "data.train_limit=null", "data.val_limit=null", "data.augment=false", "train.micro_batch=128",
         "train.lr=0.003", "train.min_lr=0.00001", "train.weight_decay=0.05", "train.steps=900",
         "train.warmup_steps=45", "train.val_batches=8",
     ),  # fmt: skip
