@@ -195,3 +195,13 @@ def test_plan_errors():
         suite.plan(["vit"], encodings=["not_an_encoding"], runs_dir=Path("r"), results_dir=Path("s"))
     allv = suite.plan(["vit"], encodings=["all"], seeds=1, runs_dir=Path("r"), results_dir=Path("s"))
     assert {j.encoding for j in allv} >= {"rope", "fire", "rope_dinov3", "pape_ri"}
+
+
+def test_vit_protocol_slices_are_disjoint_and_exist():
+    """Seed k's test images 1000k ... 1000k+999 must exist in the (unlimited) Fashion-MNIST test set."""
+    p = PROTOCOLS["vit"]
+    assert "data.val_limit=null" in p.train
+    limit = int(p.eval_args[p.eval_args.index("--limit") + 1])
+    starts = [int(p.seed_args(k)[1]) for k in range(p.seeds)]
+    assert all(b - a >= limit for a, b in zip(starts, starts[1:]))  # disjoint
+    assert starts[-1] + limit <= 10_000  # the Fashion-MNIST test set
