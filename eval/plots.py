@@ -103,7 +103,8 @@ def plot_vlm_heatmaps(grids: dict[str, dict[str, Any]], meta: dict[str, Any], ou
     paths = []
     for r, by_task in sorted(grids.items()):
         tasks = sorted(by_task)
-        fig, axes = plt.subplots(1, len(tasks), figsize=(4.6 * len(tasks), 3.6), squeeze=False)
+        fig, axes = plt.subplots(1, len(tasks), figsize=(5.2 * len(tasks) + 1.0, 3.9), squeeze=False,
+                                 constrained_layout=True)  # fmt: skip
         for ax, t in zip(axes[0], tasks):
             g = [[100 * v for v in row] for row in by_task[t]["grid"]]
             im = ax.imshow(g, vmin=0, vmax=100, cmap="RdYlGn", aspect="auto", origin="upper")
@@ -111,15 +112,16 @@ def plot_vlm_heatmaps(grids: dict[str, dict[str, Any]], meta: dict[str, Any], ou
             ax.set_yticks(range(len(D)), [f"{d:.1f}" for d in D])
             j = sum(1 for n in L if n <= meta["train_frames"]) - 0.5
             ax.axvline(j, color="k", lw=2)
-            ax.text(j, -0.6, " trained", fontsize=7, va="bottom")
+            ax.text(j - 0.1, len(D) - 0.55, f"trained ≤ {meta['train_frames']} fr |", fontsize=7, ha="right",
+                    va="bottom", color="k")  # fmt: skip
             for i in range(len(D)):
                 for k in range(len(L)):
                     ax.text(k, i, f"{g[i][k]:.0f}", ha="center", va="center", fontsize=6)
-            ax.set_xlabel("frames")
+            ax.set_xlabel("video length (frames)")
             ax.set_ylabel("needle depth")
             ax.set_title(f"{r} {t.replace('_', '-').upper()} ({by_task[t]['seeds']} seeds x "
                          f"{meta['samples_per_cell']} needles/cell)", fontsize=8)  # fmt: skip
-        fig.colorbar(im, ax=axes[0].tolist(), shrink=0.8, label="exact match (%)")
+        fig.colorbar(im, ax=axes[0].tolist(), shrink=0.9, label="exact match (%), mean over seeds")
         paths.append(_save(fig, out / f"heatmap_{r}.png"))
     return paths
 
