@@ -10,8 +10,8 @@ It has timm's model API (``forward_features`` -> tokens, ``forward_head(pre_logi
 ``set_grad_checkpointing``, ``group_matcher``) and the Hub's (``save_pretrained`` / ``from_pretrained``,
 :mod:`models.hub`). Importing this module registers it in timm as
 ``vlpe_vit_{tiny,small,base,micro,pico}_patch{16_224,8_224,4_32,4_28}`` (encoding by keyword) and, for every
-registered encoding that runs on a 2D grid, ``<that name>_<encoding>`` (the encoding fixed by the name, which
-is how open_clip's ``timm_model_name`` picks one)::
+registered encoding that runs on a 2D grid and fits the preset, ``<that name>_<encoding>`` (the encoding fixed
+by the name, which is how open_clip's ``timm_model_name`` picks one)::
 
     model = timm.create_model("vlpe_vit_small_patch16_224", encoding="lookhere")
     model = timm.create_model("vlpe_vit_small_patch16_224_lookhere", features_only=True, out_indices=(-2, -1))
@@ -33,7 +33,7 @@ from vlpe.tokenizers import ImageTokenizer
 from .blocks import Encoder, readout
 from .hub import HubMixin
 
-__all__ = ["ViT", "PRESETS", "vit", "grid_encodings", "timm_name", "register_timm"]
+__all__ = ["ViT", "PRESETS", "vit", "fits", "grid_encodings", "timm_name", "register_timm"]
 
 PRESETS: dict[str, dict[str, int]] = {
     "tiny": dict(embed_dim=192, depth=12, num_heads=3),
@@ -340,12 +340,27 @@ def vit(preset: str = "small", **kwargs: Any) -> ViT:
     return ViT(**{**PRESETS[preset], **kwargs})
 
 
+def fits(preset: str, encoding: str) -> bool:
+    """Whether ``encoding`` builds for ``preset``'s width, heads and depth on a 2D grid (LookHere's direction
+    presets need 12 heads, for instance); the encoding's own ``ValueError`` says why not."""
+    dims = PRESETS[preset]
+    options: dict[str, Any] = dict(num_axes=2, depth=dims["depth"])
+    if "grid_size" in vlpe.encodings.options_of(vlpe.encodings.get(encoding)):
+        options["grid_size"] = (2, 2)
+    try:
+        vlpe.encodings.build(encoding, dim=dims["embed_dim"], num_heads=dims["num_heads"], **options)
+    except ValueError:
+        return False
+    return True
+
+
 def grid_encodings() -> list[str]:
-    """Registered encodings that run on a 2D image grid (every one whose ``supported_axes`` allows 2)."""
+    """Registered encodings that run on a 2D image grid: ``supported_axes`` allows 2 and the encoding builds
+    for at least one of the timm presets."""
     out = []
     for name in vlpe.encodings.available():
         axes = vlpe.encodings.get(name).supported_axes
-        if axes is None or 2 in axes:
+        if (axes is None or 2 in axes) and any(fits(p, name) for p in TIMM_PRESETS):
             out.append(name)
     return out
 
@@ -428,18 +443,25 @@ def timm_name(preset: str, patch: int, size: int, encoding: str | None = None) -
 
 
 def register_timm(encoding: str | None = None) -> list[str]:
-    """Register the ``vlpe_vit_*`` architectures in timm (every preset and size), for ``encoding`` fixed by the
-    name (a registered encoding, e.g. one of your own) or, with None, chosen by keyword. Returns the names;
-    names already registered are left as they are. Import-time registration covers :func:`grid_encodings`."""
+    """Register the ``vlpe_vit_*`` architectures in timm for ``encoding`` fixed by the name (a registered
+    encoding, e.g. one of your own: every preset it :func:`fits`, every size) or, with None, chosen by keyword
+    (every preset and size). Returns the names; names already registered are left as they are. Import-time
+    registration covers :func:`grid_encodings`."""
     import timm
     from timm.models import generate_default_cfgs, register_model
 
+    presets = TIMM_PRESETS
     if encoding is not None:
         vlpe.encodings.get(encoding)  # ValueError naming the registered ones
-        if encoding not in grid_encodings():
-            raise ValueError(f"encoding {encoding!r} does not run on a 2D grid; grid encodings: {grid_encodings()}")
+        presets = tuple(p for p in TIMM_PRESETS if fits(p, encoding))
+        if not presets:
+            raise ValueError(
+                f"encoding {encoding!r} does not build on a 2D grid for any of the presets {TIMM_PRESETS}; grid "
+                f"encodings: {grid_encodings()}"
+            )
+    names = [timm_name(p, patch, size, encoding) for p in presets for patch, size in TIMM_SIZES]
     made = {}
-    for preset in TIMM_PRESETS:
+    for preset in presets:
         for patch, size in TIMM_SIZES:
             name = timm_name(preset, patch, size, encoding)
             if not timm.is_model(name):
@@ -447,7 +469,7 @@ def register_timm(encoding: str | None = None) -> list[str]:
     default_cfgs.update(generate_default_cfgs({name: cfg for name, (_, cfg) in made.items()}))
     for name, (entry, _) in made.items():
         globals()[name] = register_model(entry)
-    return [timm_name(p, patch, size, encoding) for p in TIMM_PRESETS for patch, size in TIMM_SIZES]
+    return names
 
 
 def _entry(name: str, *, preset: str, patch: int, size: int, encoding: str | None):

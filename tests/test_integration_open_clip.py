@@ -10,20 +10,23 @@ import torch
 open_clip = pytest.importorskip("open_clip")
 
 import vlpe.integrations.open_clip as vo  # noqa: E402
-from models.vit import ViT, grid_encodings  # noqa: E402
+from models.vit import ViT, fits, grid_encodings  # noqa: E402
 
 TOWER = "vlpe-ViT-Pico-4-28"
 
 
 def test_every_grid_encoding_is_listed_with_its_timm_tower():
     listed = set(open_clip.list_models())
-    for tower in vo.TOWERS:
+    for tower, (preset, *_) in vo.TOWERS.items():
         for enc in grid_encodings():
             name = f"{tower}-{enc}"
-            assert name in listed and name in vo.names(enc)
-            cfg = open_clip.get_model_config(name)
-            assert cfg["vision_cfg"]["timm_model_name"].endswith(f"_{enc}")  # open_clip's own timm path
+            assert (name in listed) == fits(preset, enc) == (name in vo.names(enc))
+            if name in listed:
+                cfg = open_clip.get_model_config(name)
+                assert cfg["vision_cfg"]["timm_model_name"].endswith(f"_{enc}")  # open_clip's own timm path
     assert "mrope" not in grid_encodings()  # a 3-axis decoder encoding gets no image tower
+    assert f"{TOWER}-lh45" not in listed  # LookHere's 8-direction preset needs 12 heads; Pico has 6
+    assert len(vo.names()) >= 2 * 15
 
 
 @pytest.mark.parametrize("encoding", ["lookhere", "ape", "rope_mixed"])
@@ -71,6 +74,8 @@ def test_register_own_config_and_bad_input():
         vo.config_for("ViT-B-16", "rope")
     with pytest.raises(ValueError, match="2D grid"):
         vo.config_for(TOWER, "mrope")
+    with pytest.raises(ValueError, match="does not build for the pico ViT"):
+        vo.config_for(TOWER, "lh45")
     with pytest.raises(ValueError, match="unknown encoding"):
         vo.config_for(TOWER, "ropee")
     with pytest.raises(ValueError, match="embed_dim, vision_cfg and text_cfg"):

@@ -210,3 +210,19 @@ def test_save_for_hf_and_pretrained_file_round_trip(tmp_path):
     with torch.no_grad():
         assert torch.equal(again(x), m(x))
     assert again.pretrained_cfg["num_classes"] == 4 and again.default_cfg is again.pretrained_cfg
+
+
+def test_every_encoding_named_architecture_builds_and_runs():
+    """One timm name per (preset, size, encoding) that fits; each builds with its encoding and runs."""
+    from models.vit import TIMM_PRESETS, fits, grid_encodings
+
+    for enc in grid_encodings():
+        for preset in TIMM_PRESETS:
+            assert timm.is_model(f"vlpe_vit_{preset}_patch4_28_{enc}") == fits(preset, enc)
+        m = timm.create_model(f"vlpe_vit_pico_patch4_28_{enc}" if fits("pico", enc) else f"vlpe_vit_micro_patch4_28_{enc}")
+        assert m.encoder.encoding_name == enc and m.pretrained_cfg["architecture"].endswith(enc)
+        with torch.no_grad():
+            assert m.eval()(torch.randn(1, 3, 28, 40)).shape == (1, 1000)
+    assert not timm.is_model("vlpe_vit_base_patch16_224_mrope")
+    with pytest.raises(ValueError, match="2D grid"):
+        models.vit.register_timm("mrope")

@@ -2,6 +2,7 @@
 
     import open_clip, vlpe.integrations.open_clip as vo
     [n for n in open_clip.list_models() if n.startswith("vlpe-")]   # vlpe-ViT-S-16-rope, ...-lookhere, ...
+    # one config per tower and encoding that runs on a 2D grid and builds for the tower's ViT
     clip = open_clip.create_model("vlpe-ViT-Pico-4-28-lookhere")
     tokenizer = open_clip.get_tokenizer("vlpe-ViT-Pico-4-28-lookhere")   # the bundled BPE: no download
     clip.encode_image(torch.randn(2, 3, 84, 56))                            # any resolution, same weights
@@ -44,12 +45,14 @@ _REGISTERED: list[str] = []
 
 def config_for(tower: str, encoding: str) -> dict[str, Any]:
     """The open_clip model config of ``tower`` (:data:`TOWERS`) with ``encoding`` in its vision tower."""
-    from models.vit import register_timm, timm_name
+    from models.vit import fits, register_timm, timm_name
 
     if tower not in TOWERS:
         raise ValueError(f"unknown tower {tower!r}; towers: {', '.join(TOWERS)}")
     preset, patch, size, embed_dim, text_cfg = TOWERS[tower]
     register_timm(encoding)  # a no-op for the built-ins; names the architecture of an encoding of your own
+    if not fits(preset, encoding):
+        raise ValueError(f"encoding {encoding!r} does not build for the {preset} ViT of {tower}; use another tower")
     vision_cfg = dict(
         image_size=size,
         timm_model_name=timm_name(preset, patch, size, encoding),
@@ -89,10 +92,12 @@ def names(encoding: str | None = None) -> list[str]:
 
 def _register_builtins() -> None:
     import open_clip
-    from models.vit import grid_encodings
+    from models.vit import fits, grid_encodings
 
-    for tower in TOWERS:
+    for tower, (preset, *_) in TOWERS.items():
         for encoding in grid_encodings():
+            if not fits(preset, encoding):  # e.g. LookHere's direction presets on fewer than 12 heads
+                continue
             name = f"{tower}-{encoding}"
             with open(f"{_CONFIG_DIR.name}/{name}.json", "w") as f:
                 json.dump(config_for(tower, encoding), f, indent=2)
