@@ -58,12 +58,15 @@ class DesignOut:
             per-frame designs).
         anchored: per axis, whether the unit start is added to ``offsets``.
         floating: the design produces fractional positions (float output).
+        text_zero: ``offsets`` are 0 on text tokens (built from the layout's ``tau, i, j, index``), so
+            anchored axes need no select.
     """
 
     offsets: Sequence[Tensor] | Tensor
     advance: Tensor
     anchored: tuple[bool, ...]
     floating: bool
+    text_zero: bool = False
 
 
 @dataclass(frozen=True)
@@ -115,7 +118,7 @@ def _unit(L: TokenLayout) -> tuple[Tensor, Tensor, Tensor]:
 # --------------------------------------------------------------------------- designs
 def _one_d(L: TokenLayout, o: dict) -> DesignOut:
     T, H, W = _unit(L)
-    return DesignOut(L.index.unsqueeze(0), (T * H * W).unsqueeze(0), (True,), False)
+    return DesignOut(L.index.unsqueeze(0), (T * H * W).unsqueeze(0), (True,), False, text_zero=True)
 
 
 def _grid(L: TokenLayout, o: dict) -> DesignOut:
@@ -127,11 +130,15 @@ def _grid(L: TokenLayout, o: dict) -> DesignOut:
         tau, T = tau.double(), T.double()
     else:
         stride = int(stride)
+    if stride == 1 and not floating and L.coords is not None:  # (t, h, w) offsets are the layout's (tau, i, j)
+        adv = L.unit_grid.amax(-1)  # (R,) max(T - 1, H - 1, W - 1) + 1
+        anchored = (True, False, False) if o["spatial_reset"] else (True, True, True)
+        return DesignOut(L.coords, adv.unsqueeze(0), anchored, False, text_zero=True)
     t = tau * stride
     adv = torch.maximum(torch.maximum((T - 1) * stride, (H - 1).to(t.dtype)), (W - 1).to(t.dtype)) + 1  # (R,)
     offsets = (t, L.i, L.j)
     anchored = (True, False, False) if o["spatial_reset"] else (True, True, True)
-    return DesignOut(offsets, adv.unsqueeze(0), anchored, floating)
+    return DesignOut(offsets, adv.unsqueeze(0), anchored, floating, text_zero=True)
 
 
 def _absolute_time(L: TokenLayout, o: dict) -> DesignOut:
@@ -159,7 +166,7 @@ def _absolute_time(L: TokenLayout, o: dict) -> DesignOut:
     T, H, W = _unit(L)
     t_last = (((T - 1).float() * per_row) * tps).long()
     adv = torch.maximum(torch.maximum(t_last, H - 1), W - 1) + 1  # (R,)
-    return DesignOut((t, L.i, L.j), adv.unsqueeze(0), (True, True, True), False)
+    return DesignOut((t, L.i, L.j), adv.unsqueeze(0), (True, True, True), False, text_zero=True)
 
 
 def _diagonal(L: TokenLayout, o: dict) -> DesignOut:
@@ -297,29 +304,53 @@ def assemble(
     N = B * S
     adv = out.advance.to(work)  # (A', R)
     A1 = adv.shape[0]
-    text = (L.valid ^ L.vision).to(work)  # (B, S) text tokens advance by one
-    if L.num_rows == 0:
-        inc = text.unsqueeze(0).expand(A1, B, S)
-    elif L.split_frames:
-        inc = torch.where(L.frame_last, L.rows_to_tokens(adv), text)  # (A', B, S)
-    else:
-        # each row advances once, at its last token: scatter R values instead of gathering N
-        slot = torch.zeros(A1, N + 1, dtype=work, device=L.device)
-        slot.scatter_(1, L.row_last.clamp(max=N).expand(A1, -1), adv)
-        inc = slot[:, :N].view(A1, B, S) + text
-    if L.samples is None:
-        running = inc.cumsum(-1) - inc  # exclusive: position when each token (or its unit) starts
-        next_pos = running[..., -1] + inc[..., -1]  # (A', B)
+    text = L.valid ^ L.vision  # (B, S) text tokens advance by one
+    if L.samples is None and L.num_rows and not L.split_frames:
+        # one cumsum per batch row over the increments shifted by one slot: slot s of row b is the position
+        # when token s starts (exclusive), slot S the next free position; each grid row advances once, at its
+        # last token (R values scattered, nothing gathered per token); a missing row lands in a spare slot
+        M = B * (S + 1)
+        shifted = torch.zeros(A1, M + 1, dtype=work, device=L.device)
+        rows3 = shifted[:, :M].view(A1, B, S + 1)
+        rows3[..., 1:] = text
+        last = L.row_last  # (R,) flat index b S + s (N when absent)
+        shifted.scatter_add_(1, (last + last // S + 1).clamp_(max=M).expand(A1, -1), adv)
+        c = rows3.cumsum(-1)
+        running, next_pos = c[..., :S], c[..., S]  # (A', B, S), (A', B)
         real = L.valid_len.to(work)  # (B,)
-    else:  # the same, restarting at every sample: (A', B, S) and the (A', n) total advance of each sample
-        running, next_pos = L.samples.cumsum(inc)
-        _, real = L.samples.cumsum(L.valid.to(work))  # (n,) real tokens per sample
+    else:
+        text = text.to(work)
+        if L.num_rows == 0:
+            inc = text.unsqueeze(0).expand(A1, B, S)
+        elif L.split_frames:
+            inc = torch.where(L.frame_last, L.rows_to_tokens(adv), text)  # (A', B, S)
+        else:
+            # each row advances once, at its last token: scatter R values instead of gathering N
+            slot = torch.zeros(A1, N + 1, dtype=work, device=L.device)
+            slot.scatter_(1, L.row_last.clamp(max=N).expand(A1, -1), adv)
+            inc = slot[:, :N].view(A1, B, S) + text
+        if L.samples is None:
+            running = inc.cumsum(-1) - inc  # exclusive: position when each token (or its unit) starts
+            next_pos = running[..., -1] + inc[..., -1]  # (A', B)
+            real = L.valid_len.to(work)  # (B,)
+        else:  # the same, restarting at every sample: (A', B, S) and the (A', n) total advance of each sample
+            running, next_pos = L.samples.cumsum(inc)
+            _, real = L.samples.cumsum(L.valid.to(work))  # (n,) real tokens per sample
     A = len(out.anchored)
+    if out.text_zero and all(out.anchored) and isinstance(out.offsets, Tensor):  # one add for all axes
+        ids = torch.add(running, out.offsets)  # (A', B, S) + (A, B, S), in the work dtype
+        if L.padded:
+            ids.masked_fill_(~L.valid, pad_position)
+        deltas = (next_pos - real).transpose(0, 1)  # (B or n, A')
+        return ids.to(dtype), deltas.to(dtype)
     ids = torch.empty(A, B, S, dtype=work, device=L.device)
     for a in range(A):  # a handful of axes (PyPE: one per layer), never tokens or blocks
         run = running[a if A1 > 1 else 0]
         off = out.offsets[a].to(work)
-        torch.where(L.vision, off + run if out.anchored[a] else off, run, out=ids[a])
+        if out.anchored[a] and out.text_zero:  # offsets are 0 on text tokens: one add
+            torch.add(run, off, out=ids[a])
+        else:
+            torch.where(L.vision, off + run if out.anchored[a] else off, run, out=ids[a])
     if L.padded:
         ids.masked_fill_(~L.valid, pad_position)
     deltas = (next_pos - real).transpose(0, 1)  # (B or n, A')

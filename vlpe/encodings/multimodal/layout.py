@@ -50,8 +50,10 @@ class TokenLayout:
         valid: real (non-padding) tokens.
         vision: valid image/video tokens.
         row: the grid row (vision block) of each vision token (meaningless elsewhere).
-        tau, i, j: frame, row and column of each vision token inside its unit (``tau`` = 0 for per-frame units).
-        index: the token's raster index inside its unit.
+        tau, i, j: frame, row and column of each vision token inside its unit (``tau`` = 0 for per-frame units);
+            0 for text tokens. Per-token integers (``row``, ``tau``, ``i``, ``j``, ``index``) are int32 (int64 for
+            batches of 2**31 tokens or more).
+        index: the token's raster index inside its unit (0 for text tokens).
         grid: ``(R, 3)`` merged grids ``(T, H // m, W // m)`` in order of appearance.
         unit_grid: the grid of one unit: ``grid``, or ``(1, H, W)`` per frame for per-frame units.
         row_type: ``(R,)`` token type (1 image / 2 video) of each grid row.
@@ -61,6 +63,7 @@ class TokenLayout:
         padded: an attention mask was given.
         samples: the packed samples of every row (``cu_seqlens`` given), or None: every row is one sample.
         checks: deferred validity checks (evaluated with one host read by :meth:`validate`).
+        coords: ``(3, B, S)`` ``tau, i, j`` stacked (they are its views), or None (per-frame units).
     """
 
     valid: Tensor
@@ -79,6 +82,7 @@ class TokenLayout:
     padded: bool
     samples: Samples | None = None
     checks: list[Check] = field(default_factory=list)
+    coords: Tensor | None = None
     _per_token: dict[str, Tensor] = field(default_factory=dict)
 
     @property
@@ -278,6 +282,7 @@ def token_layout(
     spatial_merge_size: int = 2,
     split_frames: bool = False,
     cu_seqlens=None,
+    checks: bool = True,
 ) -> TokenLayout:
     """Describe every token of a batch by its vision block, frame and grid cell (see the module docstring).
 
@@ -290,10 +295,13 @@ def token_layout(
         split_frames: units are single frames (Qwen3-VL), which may be separated by text (timestamps).
         cu_seqlens: packed rows: the sample boundaries (see :func:`packed_samples` for the accepted forms);
             None: every row is one sample.
+        checks: record the structural checks (grid count, divisibility, blocks aligned with the runs of vision
+            tokens and inside one sample, the form of ``cu_seqlens``) in ``checks``, evaluated by
+            :meth:`TokenLayout.validate`; False skips building them (``position_ids(validate=False)``).
 
-    The structural checks (grid count, divisibility, blocks aligned with the runs of vision tokens and inside
-    one sample, the form of ``cu_seqlens``) are recorded in ``checks`` and evaluated by
-    :meth:`TokenLayout.validate`.
+    Per-token work is a few passes over the ``B * S`` tokens (two cumulative sums, one gather of the per-row
+    table, the raster decomposition); everything per grid row is done on ``R`` values, and for unpacked
+    batches the sample of a token is its batch row (no per-token sample index).
     """
     types = torch.as_tensor(mm_token_type_ids)
     if types.dim() != 2:
@@ -306,10 +314,12 @@ def token_layout(
     m = int(spatial_merge_size)
     if m < 1 or m != spatial_merge_size:
         raise ValueError(f"spatial_merge_size must be a positive integer, got {spatial_merge_size!r}")
+    flat_types = types.reshape(-1).to(torch.int64)  # (N,)
     if attention_mask is None:
         valid = torch.ones(B, S, dtype=torch.bool, device=device)
         vision = types != 0  # (B, S)
         valid_len = torch.full((B,), S, dtype=torch.int64, device=device)
+        vt = flat_types  # (N,) type of vision tokens, 0 elsewhere
     else:
         valid = torch.as_tensor(attention_mask, device=device)
         if valid.shape != (B, S):
@@ -319,132 +329,149 @@ def token_layout(
         valid = valid.bool()
         vision = (types != 0) & valid
         valid_len = valid.sum(-1)
+        vt = flat_types * vision.reshape(-1)
     grid = _as_grid(grid_thw, device)
     samples = None if cu_seqlens is None else packed_samples(cu_seqlens, B, S, device=device)
     R = grid.shape[0]
-    lo_hi = torch.stack(torch.aminmax(types)) if N else torch.zeros(2, dtype=types.dtype, device=device)
-    checks: list[Check] = [
-        Check(
-            (lo_hi[0] < 0) | (lo_hi[1] > 2),
-            lambda: "mm_token_type_ids must be 0 (text), 1 (image) or 2 (video); got values "
-            f"{sorted(set(types.unique().tolist()) - {0, 1, 2})}",
-        )
-    ]
-    if samples is not None:
-        checks += samples.checks
-    zeros = torch.zeros(B, S, dtype=torch.int64, device=device)
-    if R == 0:
-        n_vis = vision.sum()
-        checks.append(
+    found: list[Check] = []
+    if checks:
+        lo_hi = torch.stack(torch.aminmax(types)) if N else torch.zeros(2, dtype=types.dtype, device=device)
+        found.append(
             Check(
-                n_vis > 0,
-                lambda: f"mm_token_type_ids mark {int(n_vis)} image/video tokens but grid_thw has no rows; "
-                "pass one (T, H, W) row per vision block in order of appearance",
+                (lo_hi[0] < 0) | (lo_hi[1] > 2),
+                lambda: "mm_token_type_ids must be 0 (text), 1 (image) or 2 (video); got values "
+                f"{sorted(set(types.unique().tolist()) - {0, 1, 2})}",
             )
         )
+        if samples is not None:
+            found += samples.checks
+    if R == 0:
+        zeros = torch.zeros(B, S, dtype=torch.int64, device=device)
+        if checks:
+            n_vis = vision.sum()
+            found.append(
+                Check(
+                    n_vis > 0,
+                    lambda: f"mm_token_type_ids mark {int(n_vis)} image/video tokens but grid_thw has no rows; "
+                    "pass one (T, H, W) row per vision block in order of appearance",
+                )
+            )
         empty = torch.zeros(0, dtype=torch.int64, device=device)
         return TokenLayout(
             valid=valid, vision=vision, row=zeros, tau=zeros, i=zeros, j=zeros, index=zeros, grid=grid,
             unit_grid=grid, row_type=empty, row_last=empty,
             frame_last=torch.zeros(B, S, dtype=torch.bool, device=device) if split_frames else None,
-            valid_len=valid_len, padded=attention_mask is not None, samples=samples, checks=checks,
+            valid_len=valid_len, padded=attention_mask is not None, samples=samples, checks=found,
         )
 
-    gt, gh, gw = grid.unbind(-1)  # (R,) each, in patches
-    Tm, Hm, Wm = gt, gh // m, gw // m  # merged grid
-    bad_grid = (grid < 1).any(-1) | (gh % m != 0) | (gw % m != 0)  # (R,)
-    checks.append(
-        Check(
-            bad_grid.any(),
-            lambda: f"grid_thw rows must be positive and H, W divisible by spatial_merge_size={m}; bad rows "
-            f"(index: T, H, W): {[(r, tuple(grid[r].tolist())) for r in bad_grid.nonzero().flatten().tolist()]}",
-        )
-    )
-    Hc, Wc = Hm.clamp(min=1), Wm.clamp(min=1)  # safe divisors (bad rows are reported above)
-    n_row = Tm * Hm * Wm  # (R,) tokens per block
+    Tm = grid[:, 0]  # (R,)
+    HWm = grid[:, 1:] // m  # (R, 2) merged grid rows, columns
+    if checks:
+
+        def bad_rows() -> str:
+            bad = ((grid < 1).any(-1) | (grid[:, 1:] % m != 0).any(-1)).nonzero().flatten().tolist()
+            return (
+                f"grid_thw rows must be positive and H, W divisible by spatial_merge_size={m}; bad rows "
+                f"(index: T, H, W): {[(r, tuple(grid[r].tolist())) for r in bad]}"
+            )
+
+        found.append(Check((grid < 1).any() | (grid[:, 1:] % m).any(), bad_rows))
+    HWc = HWm.clamp(min=1)  # safe divisors (bad rows are reported above)
+    hw_row = HWc.prod(-1)  # (R,)
+    n_row = Tm * HWm.prod(-1)  # (R,) tokens per block
     end_cnt = n_row.cumsum(0)  # (R,) vision count after each row
-    start_cnt = end_cnt - n_row
+    first_cnt = end_cnt - n_row + 1  # (R,) vision count at each row's first token
 
+    idx = torch.int32 if N < 2**31 else torch.int64  # per-token integers: half the memory traffic
     flat_vis = vision.reshape(-1)
-    cnt = flat_vis.to(torch.int64).cumsum(0)  # (N,) inclusive vision count
-    n_vis = cnt[-1]
-    checks.append(
-        Check(
-            n_vis != end_cnt[-1],
-            lambda: f"the token types hold {int(n_vis)} image/video tokens but grid_thw describes {int(end_cnt[-1])} "
-            f"(sum of T * (H/{m}) * (W/{m}) over its {R} rows); pass exactly one row per vision block, "
-            "in order of appearance over the batch",
+    cnt = flat_vis.cumsum(0, dtype=idx)  # (N,) inclusive vision count
+    if checks:
+        n_vis = cnt[-1]
+        found.append(
+            Check(
+                n_vis != end_cnt[-1],
+                lambda: f"the token types hold {int(n_vis)} image/video tokens but grid_thw describes "
+                f"{int(end_cnt[-1])} (sum of T * (H/{m}) * (W/{m}) over its {R} rows); pass exactly one row per "
+                "vision block, in order of appearance over the batch",
+            )
         )
-    )
-    row_first = torch.searchsorted(cnt, start_cnt + 1)  # (R,) flat index of each row's first token (N if absent)
-    row_last = torch.searchsorted(cnt, end_cnt)  # (R,) flat index of each row's last token
-    marker = torch.zeros(N + 1, dtype=torch.int64, device=device)
-    marker.index_add_(0, row_first.clamp(max=N), torch.ones_like(row_first))
-    row = (marker[:N].cumsum(0) - 1).clamp_(0, R - 1)  # (N,) row of each vision token
+    row_first = torch.searchsorted(cnt, first_cnt.to(idx))  # (R,) flat index of each row's first token (N if absent)
+    row_last = torch.searchsorted(cnt, end_cnt.to(idx))  # (R,) flat index of each row's last token
+    marker = torch.zeros(N + 1, dtype=idx, device=device)
+    marker.index_fill_(0, row_first[1:], 1)  # starts of rows 1.. (a row of no tokens is a bad grid row)
+    row = marker[:N].cumsum(0)  # (N,) row of each vision token (row 0 for the text before it)
 
-    hw_tok, w_tok = (Hc * Wc).index_select(0, row), Wc.index_select(0, row)  # (N,) per-token row data
-    off = cnt - 1 - start_cnt.index_select(0, row)  # (N,) raster offset inside the row
-    tau = off // hw_tok
+    hw_tok = hw_row.to(idx).index_select(0, row)  # (N,) per-token row data (1-D gathers are the fast ones)
+    w_tok = HWc[:, 1].to(idx).index_select(0, row)
+    off = (cnt - first_cnt.to(idx).index_select(0, row)).mul_(flat_vis)  # (N,) raster offset in the row, 0 for text
+    coords = torch.empty(3, B, S, dtype=idx, device=device)  # tau, i, j: one tensor for the designs
+    tau, i, j = coords.view(3, N).unbind(0)
+    torch.floor_divide(off, hw_tok, out=tau)
     rem = off - tau * hw_tok
-    i = rem // w_tok
-    j = rem - i * w_tok
+    torch.floor_divide(rem, w_tok, out=i)
+    torch.sub(rem, i * w_tok, out=j)
 
-    vt = torch.where(flat_vis, types.reshape(-1).to(torch.int64), 0)  # (N,) type of vision tokens, 0 elsewhere
     fi, la = row_first.clamp(max=N - 1), row_last.clamp(max=N - 1)
-    row_type = vt[fi]  # (R,)
-    token = torch.arange(N, device=device)
-    if samples is None:  # every row is one sample
-        sample_of, first = token // S, token % S == 0  # (N,) each
-    else:
-        sample_of, first = samples.index.reshape(-1), samples.start == token
-    last = torch.cat([first[1:], first.new_ones(1)])  # (N,) the next token starts a sample (or there is none)
-    straddles = sample_of[fi] != sample_of[la]  # (R,)
+    row_type = vt.index_select(0, fi)  # (R,)
+    if checks:
+        if samples is None:  # every row is one sample: the sample of a token is its batch row
+            straddles = fi // S != la // S  # (R,)
+        else:
+            sample_of = samples.index.reshape(-1)  # (N,)
+            straddles = sample_of.index_select(0, fi) != sample_of.index_select(0, la)
 
-    def straddling() -> str:
-        bad = [(r, int(sample_of[fi[r]]), int(sample_of[la[r]])) for r in straddles.nonzero().flatten().tolist()]
-        return (
-            "vision blocks straddle a sample boundary (a block must lie inside one sample: check cu_seqlens and "
-            f"that grid_thw lists the blocks in order of appearance); (grid_thw row, first sample, last sample): {bad}"
-        )
+        def straddling() -> str:
+            where = (lambda t: t // S) if samples is None else (lambda t: int(samples.index.reshape(-1)[t]))
+            bad = [(r, int(where(fi[r])), int(where(la[r]))) for r in straddles.nonzero().flatten().tolist()]
+            return (
+                "vision blocks straddle a sample boundary (a block must lie inside one sample: check cu_seqlens "
+                f"and that grid_thw lists the blocks in order of appearance); (grid_thw row, first sample, last "
+                f"sample): {bad}"
+            )
 
-    checks.append(Check(straddles.any(), straddling))
-    if split_frames:
-        # frames of a row may be separated by text: check per token that runs start at frame starts
-        prev = torch.cat([vt.new_zeros(1), vt[:-1]])
-        prev = prev.masked_fill(first, 0)  # no run continues across samples
-        run_start = flat_vis & (prev != vt)
-        misaligned = (flat_vis & ((run_start & (rem != 0)) | ((off == 0) & ~run_start))).any()
-        misaligned = misaligned | straddles.any() | (vt[la] != row_type).any()
-        what = "every run of vision tokens must start at a frame of its grid row, and a row may not span samples"
-    else:
-        # per row: one contiguous run of a single token type, starting and ending a run, inside one sample
-        typesum = vt.cumsum(0)
-        contiguous = row_last - row_first + 1 == n_row
-        uniform = typesum[la] - typesum[fi] + row_type == row_type * n_row
-        at_start = first[fi] | (vt[(fi - 1).clamp(min=0)] != row_type)
-        at_end = last[la] | (vt[(la + 1).clamp(max=N - 1)] != row_type)
-        misaligned = ~(contiguous & uniform & at_start & at_end & ~straddles).all()
-        what = "every vision block must be one run of consecutive image/video tokens matching its grid row"
-    checks.append(
-        Check(
-            misaligned,
-            lambda: f"the vision blocks in mm_token_type_ids do not match grid_thw: {what} (rows are taken in "
-            "order of appearance; blocks may not span samples, and two blocks need a text token between them)",
+        found.append(Check(straddles.any(), straddling))
+        if split_frames:
+            # frames of a row may be separated by text: runs of vision tokens start exactly at frame starts
+            prev = torch.cat([vt.new_zeros(B, 1), vt.view(B, S)[:, :-1]], dim=1).view(-1)  # type before, 0 at row 0
+            if samples is not None:
+                prev = prev.masked_fill(samples.start == torch.arange(N, device=device), 0)  # no run across samples
+            run_start = flat_vis & (prev != vt)  # (N,)
+            misaligned = (flat_vis & ((run_start & (rem != 0)) | ((off == 0) & ~run_start))).any()
+            misaligned = misaligned | straddles.any() | (vt.index_select(0, la) != row_type).any()
+            what = "every run of vision tokens must start at a frame of its grid row, and a row may not span samples"
+        else:
+            # one run per row: no text inside it, one token type, and no row of its type right before it in
+            # its sample (the counts check has placed every vision token in a row, so a run continuing past a
+            # row's ends is the next row's tokens, or vision tokens past the last row)
+            typesum = vt.cumsum(0)  # (N,)
+            at = typesum.index_select(0, torch.cat([fi, la]))  # (2R,)
+            contiguous = row_last - row_first + 1 == n_row
+            uniform = at[R:] - at[:R] + row_type == row_type * n_row
+            sample = fi // S if samples is None else samples.index.reshape(-1).index_select(0, fi)
+            glued = (row_first[1:] == row_last[:-1] + 1) & (row_type[1:] == row_type[:-1]) & (sample[1:] == sample[:-1])
+            misaligned = ~(contiguous & uniform & ~straddles).all() | glued.any()
+            what = "every vision block must be one run of consecutive image/video tokens matching its grid row"
+        found.append(
+            Check(
+                misaligned,
+                lambda: f"the vision blocks in mm_token_type_ids do not match grid_thw: {what} (rows are taken in "
+                "order of appearance; blocks may not span samples, and two blocks need a text token between them)",
+            )
         )
-    )
     shape = (B, S)
+    g = torch.cat([Tm[:, None], HWm], dim=1)  # (R, 3) merged grids
     if split_frames:
         frame_last = (flat_vis & (rem == hw_tok - 1)).reshape(shape)
-        unit_grid = torch.stack([torch.ones_like(Tm), Hm, Wm], -1)
+        zeros = torch.zeros(B, S, dtype=torch.int64, device=device)
+        unit_grid = torch.cat([torch.ones_like(Tm)[:, None], HWm], dim=1)
         return TokenLayout(
-            valid=valid, vision=vision, row=row.reshape(shape), tau=zeros, i=i.reshape(shape), j=j.reshape(shape),
-            index=rem.reshape(shape), grid=torch.stack([Tm, Hm, Wm], -1), unit_grid=unit_grid, row_type=row_type,
-            row_last=row_last, frame_last=frame_last, valid_len=valid_len, padded=attention_mask is not None,
-            samples=samples, checks=checks,
+            valid=valid, vision=vision, row=row.reshape(shape), tau=zeros, i=coords[1], j=coords[2],
+            index=rem.reshape(shape), grid=g, unit_grid=unit_grid, row_type=row_type, row_last=row_last,
+            frame_last=frame_last, valid_len=valid_len, padded=attention_mask is not None, samples=samples,
+            checks=found,
         )
-    g = torch.stack([Tm, Hm, Wm], -1)
     return TokenLayout(
-        valid=valid, vision=vision, row=row.reshape(shape), tau=tau.reshape(shape), i=i.reshape(shape),
-        j=j.reshape(shape), index=off.reshape(shape), grid=g, unit_grid=g, row_type=row_type, row_last=row_last,
-        frame_last=None, valid_len=valid_len, padded=attention_mask is not None, samples=samples, checks=checks,
+        valid=valid, vision=vision, row=row.reshape(shape), tau=coords[0], i=coords[1], j=coords[2],
+        index=off.reshape(shape), grid=g, unit_grid=g, row_type=row_type, row_last=row_last, frame_last=None,
+        valid_len=valid_len, padded=attention_mask is not None, samples=samples, checks=found, coords=coords,
     )

@@ -182,7 +182,7 @@ def position_ids(
     opts = design.options({**v.design_options, **options})
     layout = token_layout(
         mm_token_type_ids, grid_thw, attention_mask, spatial_merge_size=spatial_merge_size,
-        split_frames=design.split_frames, cu_seqlens=cu_seqlens,
+        split_frames=design.split_frames, cu_seqlens=cu_seqlens, checks=validate,
     )
     out = design.fn(layout, opts)
     if validate:
@@ -391,24 +391,24 @@ def merge_grids(
     flat = types.reshape(-1)
     if attention_mask is not None:
         flat = torch.where(torch.as_tensor(attention_mask, device=device).reshape(-1).bool(), flat, 0)
-    grids, kinds, firsts = [], [], []
-    for kind, g in ((1, image_grid_thw), (2, video_grid_thw)):  # two modalities, not tokens
-        if g is None:
-            continue
-        g = torch.as_tensor(g, device=device).to(torch.int64).reshape(-1, 3)
-        R = g.shape[0]
-        if R == 0:
-            continue
-        n = g[:, 0] * (g[:, 1] // m) * (g[:, 2] // m)  # (R,) tokens per row
-        cnt = (flat == kind).to(torch.int64).cumsum(0)  # (B*S,) tokens of this modality so far
-        first = torch.searchsorted(cnt, n.cumsum(0) - n + 1)  # (R,) flat index of each row's first token
+    given = [(kind, torch.as_tensor(g, device=device).to(torch.int64).reshape(-1, 3))
+             for kind, g in ((1, image_grid_thw), (2, video_grid_thw)) if g is not None]  # two modalities
+    given = [(kind, g) for kind, g in given if g.shape[0]]
+    if len(given) == 2:  # both modalities counted by one cumsum over (2, B*S)
+        counts = (flat.unsqueeze(0) == torch.arange(1, 3, device=device).unsqueeze(1)).cumsum(-1)
+    grids, firsts, kinds = [], [], []
+    for kind, g in given:
+        n = g[:, 0] * (g[:, 1:] // m).prod(-1)  # (R,) tokens per row
+        cnt = counts[kind - 1] if len(given) == 2 else (flat == kind).cumsum(0)  # (B*S,) tokens of it so far
+        firsts.append(torch.searchsorted(cnt, n.cumsum(0) - n + 1))  # (R,) flat index of each row's first token
         grids.append(g)
-        kinds.append(torch.full((R,), kind, dtype=torch.int64, device=device))
-        firsts.append(first)
+        kinds.append(kind)
     if not grids:
         return torch.zeros(0, 3, dtype=torch.int64, device=device), torch.zeros(0, dtype=torch.int64, device=device)
-    order = torch.cat(firsts).argsort(stable=True)
-    return torch.cat(grids)[order], torch.cat(kinds)[order]
+    if len(grids) == 1:  # one modality: its rows are already in order of appearance (non-decreasing firsts)
+        return grids[0], torch.full((grids[0].shape[0],), kinds[0], dtype=torch.int64, device=device)
+    order = torch.cat(firsts).argsort(stable=True)  # (R,) image rows first on ties, as they are listed first
+    return torch.cat(grids).index_select(0, order), 1 + (order >= grids[0].shape[0]).long()
 
 
 def pype_attention_mask(
