@@ -311,14 +311,24 @@ class SeededDataset(Dataset):
         return len(self.base)  # type: ignore[arg-type]
 
     def __getitem__(self, item: tuple[int, int]):
-        index, seed = item
+        return self.__getitems__([item])[0]
+
+    def __getitems__(self, items: list[tuple[int, int]]) -> list:
+        """The items of a whole micro-batch (the ``DataLoader`` asks for them at once): every item is produced
+        right after seeding the CPU torch, numpy and Python RNGs from its own seed, and the caller's states are
+        saved and restored once per batch rather than once per item (the same items, the same states after).
+        Only the CPU generator is seeded (``torch.manual_seed`` would also reseed every accelerator's, at
+        ~0.1 ms per call, and ``fork_rng(devices=[])`` restores the CPU one only)."""
         np_state, py_state = np.random.get_state(), random.getstate()
         with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(seed)
-            np.random.seed(seed % 2**32)
-            random.seed(seed)
             try:
-                return self.base[index]
+                out = []
+                for index, seed in items:
+                    torch.default_generator.manual_seed(seed)
+                    np.random.seed(seed % 2**32)
+                    random.seed(seed)
+                    out.append(self.base[index])
+                return out
             finally:
                 np.random.set_state(np_state)
                 random.setstate(py_state)
