@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from train.config import ConfigError, load_config
-from train.engine import ResumableBatchSampler, TrainSection, deepspeed_config
+from train.engine import ResumableBatchSampler, SeededDataset, TrainSection, deepspeed_config
 
 ROOT = Path(__file__).resolve().parents[1]
 PY = sys.executable
@@ -74,6 +74,37 @@ def test_deepspeed_batch_inconsistency_is_one_clear_line():
 def _stream(start, total, rank=0, world=1):
     s = ResumableBatchSampler(10, micro_batch=4, rank=rank, world=world, seed=3, start=start, total=total)
     return list(s)
+
+
+def test_seeded_dataset_items_depend_only_on_their_seed_and_leave_the_caller_rng_alone():
+    """A micro-batch fetched at once (``__getitems__``) gives each item what it gives alone, every RNG seeded from
+    its seed, and the caller's torch / numpy / Python RNG states are as before."""
+    import random
+
+    import numpy as np
+
+    class Noisy(torch.utils.data.Dataset):
+        def __len__(self):
+            return 10
+
+        def __getitem__(self, i):
+            return i, torch.rand(2), float(np.random.rand()), random.random()
+
+    ds = SeededDataset(Noisy())
+    items = [(3, 11), (5, 12), (3, 11)]
+    torch.manual_seed(0)
+    np.random.seed(0)
+    random.seed(0)
+    before = (torch.get_rng_state(), np.random.get_state()[1].copy(), random.getstate())
+    batch = ds.__getitems__(items)
+    assert torch.equal(torch.get_rng_state(), before[0]) and (np.random.get_state()[1] == before[1]).all()
+    assert random.getstate() == before[2]
+    alone = [ds[item] for item in items]
+    for a, b in zip(batch, alone):
+        assert a[0] == b[0] and torch.equal(a[1], b[1]) and a[2:] == b[2:]
+    assert torch.equal(batch[0][1], batch[2][1]) and not torch.equal(batch[0][1], batch[1][1])
+    torch.manual_seed(11)
+    assert torch.equal(batch[0][1], torch.rand(2))  # the CPU generator seeded as torch.manual_seed seeds it
 
 
 def test_sampler_resumes_exactly_and_partitions_ranks():
