@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import re
 import types
 import typing
 from pathlib import Path
@@ -30,6 +31,9 @@ class ConfigError(ValueError):
 def _suggest(key: str, valid: Sequence[str]) -> str:
     close = difflib.get_close_matches(key, list(valid), n=1)
     return f" (did you mean {close[0]!r}?)" if close else ""
+
+
+_EXPONENT_FLOAT = re.compile(r"[+-]?(\d+\.?\d*|\.\d+)[eE][+-]?\d+")
 
 
 def _check_type(value: Any, tp: Any, where: str) -> Any:
@@ -67,6 +71,8 @@ def _check_type(value: Any, tp: Any, where: str) -> Any:
         return from_dict(tp, value, where=where)
     if tp is float and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
+    if tp is float and isinstance(value, str) and _EXPONENT_FLOAT.fullmatch(value.strip()):
+        return float(value)  # YAML 1.1 reads 1e-3 (no dot) as a string; it is a float to every user
     if tp is bool and not isinstance(value, bool):
         raise ConfigError(f"{where}: expected true/false, got {value!r}")
     if isinstance(tp, type) and not isinstance(value, tp):
