@@ -167,10 +167,9 @@ def summarize_family(family: str, records: Sequence[dict], *, reps: int | None =
             entry[c.key] = cell(mats, np.eye(len(conds))[i], **kw)
         out_rows[name] = entry
     curves = {}
-    for rec in records:
-        for name in rec["rows"]:
-            if rec.get("val_curve"):
-                curves.setdefault(name, {})[int(rec["seed"])] = rec["val_curve"]
+    for rec in records:  # one curve per trained run (rows that re-evaluate a run share its curve)
+        if rec.get("val_curve"):
+            curves.setdefault(rec["encoding"], {})[int(rec["seed"])] = rec["val_curve"]
     return {"meta": meta, "conditions": [{"key": c.key, "label": c.label} for c in conds], "rows": out_rows,
             "val_curves": curves}  # fmt: skip
 

@@ -176,7 +176,9 @@ def readme_section(summary: dict[str, Any], claims: Sequence[dict], t: dict[str,
               "Each claim is a paired difference of two rows (same seeds, same test items; `results/claims.json`). "
               "Verdict: `agrees` when the 95 % interval lies above 0, `disagrees` below, `unresolved` when it "
               "contains 0. These are small CPU-sized models, not the papers' settings; the protocols were fixed "
-              "before the comparison and are not tuned toward any sign.", "", claims_table(claims), ""]  # fmt: skip
+              "before the comparison and are not tuned toward any sign. Each claim's per-seed differences are in "
+              "`results/claims.json` (`per_seed`): a wide interval means the sign changes from seed to seed.", "",
+              claims_table(claims), ""]  # fmt: skip
     lines += ["### Cost", "", _timing_text(t), ""]
     return "\n".join(lines).rstrip() + "\n"
 
