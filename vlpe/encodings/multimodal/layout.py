@@ -31,7 +31,7 @@ from typing import Callable
 import torch
 from torch import Tensor
 
-__all__ = ["TokenLayout", "token_layout", "Check", "Samples", "packed_samples"]
+__all__ = ["TokenLayout", "token_layout", "Check", "Samples", "packed_samples", "merge_divisor"]
 
 
 @dataclass
@@ -51,8 +51,7 @@ class TokenLayout:
         vision: valid image/video tokens.
         row: the grid row (vision block) of each vision token (meaningless elsewhere).
         tau, i, j: frame, row and column of each vision token inside its unit (``tau`` = 0 for per-frame units);
-            0 for text tokens. Per-token integers (``row``, ``tau``, ``i``, ``j``, ``index``) are int32 (int64 for
-            batches of 2**31 tokens or more).
+            0 for text tokens.
         index: the token's raster index inside its unit (0 for text tokens).
         grid: ``(R, 3)`` merged grids ``(T, H // m, W // m)`` in order of appearance.
         unit_grid: the grid of one unit: ``grid``, or ``(1, H, W)`` per frame for per-frame units.
@@ -258,6 +257,18 @@ def packed_samples(cu_seqlens, batch: int, length: int, *, device: torch.device 
     return Samples(cu=cu, index=index.view(B, S), start=start, checks=checks)
 
 
+_DIVISORS: dict[tuple, Tensor] = {}
+
+
+def merge_divisor(m: int, device: torch.device) -> Tensor:
+    """``(3,)`` int64 ``[1, m, m]`` on ``device``: a grid row divided by it is the merged grid. Kept per
+    ``(m, device)``, so no call copies it to the device again."""
+    key = (int(m), device.type, device.index)
+    if key not in _DIVISORS:
+        _DIVISORS[key] = torch.tensor([1, int(m), int(m)], dtype=torch.int64, device=device)
+    return _DIVISORS[key]
+
+
 def _as_grid(grid_thw, device: torch.device) -> Tensor:
     if grid_thw is None:
         return torch.zeros(0, 3, dtype=torch.int64, device=device)
@@ -335,10 +346,10 @@ def token_layout(
     R = grid.shape[0]
     found: list[Check] = []
     if checks:
-        lo_hi = torch.stack(torch.aminmax(types)) if N else torch.zeros(2, dtype=types.dtype, device=device)
+        lo, hi = torch.aminmax(types) if N else (types.new_zeros(()), types.new_zeros(()))
         found.append(
             Check(
-                (lo_hi[0] < 0) | (lo_hi[1] > 2),
+                (lo < 0) | (hi > 2),
                 lambda: "mm_token_type_ids must be 0 (text), 1 (image) or 2 (video); got values "
                 f"{sorted(set(types.unique().tolist()) - {0, 1, 2})}",
             )
@@ -364,8 +375,8 @@ def token_layout(
             valid_len=valid_len, padded=attention_mask is not None, samples=samples, checks=found,
         )
 
-    Tm = grid[:, 0]  # (R,)
-    HWm = grid[:, 1:] // m  # (R, 2) merged grid rows, columns
+    g = grid // merge_divisor(m, device)  # (R, 3) merged grids (T, H / m, W / m)
+    Tm, HWm = g[:, 0], g[:, 1:]  # (R,), (R, 2) merged grid rows, columns
     if checks:
 
         def bad_rows() -> str:
@@ -378,13 +389,12 @@ def token_layout(
         found.append(Check((grid < 1).any() | (grid[:, 1:] % m).any(), bad_rows))
     HWc = HWm.clamp(min=1)  # safe divisors (bad rows are reported above)
     hw_row = HWc.prod(-1)  # (R,)
-    n_row = Tm * HWm.prod(-1)  # (R,) tokens per block
+    n_row = g.prod(-1)  # (R,) tokens per block
     end_cnt = n_row.cumsum(0)  # (R,) vision count after each row
-    first_cnt = end_cnt - n_row + 1  # (R,) vision count at each row's first token
+    start_cnt = end_cnt - n_row  # (R,) vision count before each row
 
-    idx = torch.int32 if N < 2**31 else torch.int64  # per-token integers: half the memory traffic
     flat_vis = vision.reshape(-1)
-    cnt = flat_vis.cumsum(0, dtype=idx)  # (N,) inclusive vision count
+    cnt = flat_vis.cumsum(0)  # (N,) inclusive vision count (int64)
     if checks:
         n_vis = cnt[-1]
         found.append(
@@ -395,21 +405,19 @@ def token_layout(
                 "vision block, in order of appearance over the batch",
             )
         )
-    row_first = torch.searchsorted(cnt, first_cnt.to(idx))  # (R,) flat index of each row's first token (N if absent)
-    row_last = torch.searchsorted(cnt, end_cnt.to(idx))  # (R,) flat index of each row's last token
-    marker = torch.zeros(N + 1, dtype=idx, device=device)
+    row_first = torch.searchsorted(cnt, start_cnt, right=True)  # (R,) flat index of each row's first token (N if none)
+    row_last = torch.searchsorted(cnt, end_cnt)  # (R,) flat index of each row's last token
+    marker = torch.zeros(N + 1, dtype=torch.int64, device=device)
     marker.index_fill_(0, row_first[1:], 1)  # starts of rows 1.. (a row of no tokens is a bad grid row)
     row = marker[:N].cumsum(0)  # (N,) row of each vision token (row 0 for the text before it)
 
-    hw_tok = hw_row.to(idx).index_select(0, row)  # (N,) per-token row data (1-D gathers are the fast ones)
-    w_tok = HWc[:, 1].to(idx).index_select(0, row)
-    off = (cnt - first_cnt.to(idx).index_select(0, row)).mul_(flat_vis)  # (N,) raster offset in the row, 0 for text
-    coords = torch.empty(3, B, S, dtype=idx, device=device)  # tau, i, j: one tensor for the designs
-    tau, i, j = coords.view(3, N).unbind(0)
-    torch.floor_divide(off, hw_tok, out=tau)
+    hw_tok = hw_row.index_select(0, row)  # (N,) per-token row data (1-D gathers are the fast ones)
+    w_tok = HWc[:, 1].index_select(0, row)
+    off = (cnt - (start_cnt + 1).index_select(0, row)).mul_(flat_vis)  # (N,) raster offset in the row, 0 for text
+    tau = off // hw_tok
     rem = off - tau * hw_tok
-    torch.floor_divide(rem, w_tok, out=i)
-    torch.sub(rem, i * w_tok, out=j)
+    i = rem // w_tok
+    j = rem - i * w_tok
 
     fi, la = row_first.clamp(max=N - 1), row_last.clamp(max=N - 1)
     row_type = vt.index_select(0, fi)  # (R,)
@@ -459,17 +467,17 @@ def token_layout(
             )
         )
     shape = (B, S)
-    g = torch.cat([Tm[:, None], HWm], dim=1)  # (R, 3) merged grids
     if split_frames:
         frame_last = (flat_vis & (rem == hw_tok - 1)).reshape(shape)
         zeros = torch.zeros(B, S, dtype=torch.int64, device=device)
         unit_grid = torch.cat([torch.ones_like(Tm)[:, None], HWm], dim=1)
         return TokenLayout(
-            valid=valid, vision=vision, row=row.reshape(shape), tau=zeros, i=coords[1], j=coords[2],
+            valid=valid, vision=vision, row=row.reshape(shape), tau=zeros, i=i.reshape(shape), j=j.reshape(shape),
             index=rem.reshape(shape), grid=g, unit_grid=unit_grid, row_type=row_type, row_last=row_last,
             frame_last=frame_last, valid_len=valid_len, padded=attention_mask is not None, samples=samples,
             checks=found,
         )
+    coords = torch.stack([tau, i, j]).view(3, B, S)  # one tensor for the designs that add all three
     return TokenLayout(
         valid=valid, vision=vision, row=row.reshape(shape), tau=coords[0], i=coords[1], j=coords[2],
         index=off.reshape(shape), grid=g, unit_grid=g, row_type=row_type, row_last=row_last, frame_last=None,

@@ -12,7 +12,7 @@ from ..functional.rope import apply_rope, cos_sin, inv_freq as _inv_freq, rope_a
 from ..functional.scaling import parse_scaling, scale_frequencies
 from .allocations import ALLOCATIONS, allocation_map, axes_of, frequency_matrix
 from .designs import DESIGNS, assemble, get_design
-from .layout import packed_samples, token_layout
+from .layout import merge_divisor, packed_samples, token_layout
 
 __all__ = [
     "Variant",
@@ -397,10 +397,12 @@ def merge_grids(
     if len(given) == 2:  # both modalities counted by one cumsum over (2, B*S)
         counts = (flat.unsqueeze(0) == torch.arange(1, 3, device=device).unsqueeze(1)).cumsum(-1)
     grids, firsts, kinds = [], [], []
+    divisor = merge_divisor(m, device)  # [1, m, m]
     for kind, g in given:
-        n = g[:, 0] * (g[:, 1:] // m).prod(-1)  # (R,) tokens per row
+        n = (g // divisor).prod(-1)  # (R,) tokens per row: T (H / m) (W / m)
         cnt = counts[kind - 1] if len(given) == 2 else (flat == kind).cumsum(0)  # (B*S,) tokens of it so far
-        firsts.append(torch.searchsorted(cnt, n.cumsum(0) - n + 1))  # (R,) flat index of each row's first token
+        first = torch.searchsorted(cnt, n.cumsum(0) - n, right=True)  # (R,) flat index of each row's first token
+        firsts.append(first)
         grids.append(g)
         kinds.append(kind)
     if not grids:
