@@ -23,7 +23,7 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from stats import Cell, cell, paired, unpack_bits, verdict
+from stats import Cell, cell, paired, seeds_needed, unpack_bits, verdict
 
 __all__ = ["Condition", "family_matrices", "summarize_family", "Claim", "CLAIMS", "evaluate_claims"]
 
@@ -198,6 +198,10 @@ class Claim:
     described: str  # what the difference measures, in words
 
 
+#: The precision every claim must reach: a 95 % half-width of at most this many percentage points. Each claim
+#: records whether it does (``precision_met``) and, from its per-seed spread, how many seeds would (``seeds_needed``).
+PRECISION = 3.0
+
 CLAIMS: tuple[Claim, ...] = (
     Claim("LookHere > 2D RoPE at 4.57x the training resolution",
           "Fuller et al., NeurIPS 2024: +21.7 points top-1 over 2D RoPE at 1024 px after training at 224 px",
@@ -263,8 +267,11 @@ def evaluate_claims(records: dict[str, Sequence[dict]], claims: Sequence[Claim] 
         else:
             c = paired(a, b, w, **kw)
         ci = None if c["ci95"] is None else [100 * c["ci95"][0], 100 * c["ci95"][1]]
-        out.append({**base, "diff": 100 * c["mean"], "ci95": ci,
-                    "half_width": None if ci is None else (ci[1] - ci[0]) / 2,
+        hw = None if ci is None else (ci[1] - ci[0]) / 2
+        sd = float(np.std(100 * np.asarray(c["per_seed"]), ddof=1)) if len(c["per_seed"]) > 1 else None
+        out.append({**base, "diff": 100 * c["mean"], "ci95": ci, "half_width": hw,
+                    "precision_target": PRECISION, "precision_met": hw is not None and hw <= PRECISION,
+                    "seed_sd": sd, "seeds_needed": None if sd is None else seeds_needed(sd, PRECISION),
                     "ci95_bootstrap": [100 * x for x in c["ci95_bootstrap"]], "seeds": seeds,
                     "items_per_seed": c["items"], "per_seed": [100 * x for x in c["per_seed"]],
                     "verdict": verdict(c["ci95"])})  # fmt: skip

@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from aggregate import CLAIMS, evaluate_claims, summarize_family  # noqa: E402
+from aggregate import CLAIMS, PRECISION, evaluate_claims, summarize_family  # noqa: E402
 from common import markdown_table, write_json  # noqa: E402
 from plots import heat_grids, plot_points, plot_vit, plot_vlm, plot_vlm_heatmaps  # noqa: E402
 from protocols import FAMILIES, PROTOCOLS, describe  # noqa: E402
@@ -74,12 +74,14 @@ def claims_table(claims: Sequence[dict]) -> str:
     body = []
     for c in claims:
         if c["diff"] is None:
-            body.append([c["claim"], c["paper"], "–", "–", f"not measured ({c['reason']})"])
+            body.append([c["claim"], c["paper"], "–", "–", f"not measured ({c['reason']})", "–"])
             continue
         ci = "– (1 seed)" if c["ci95"] is None else (f"[{c['ci95'][0]:+.1f}, {c['ci95'][1]:+.1f}] "
                                                     f"(±{c['half_width']:.1f})")  # fmt: skip
-        body.append([c["claim"], c["paper"], f"{c['diff']:+.1f}", ci, f"**{c['verdict']}**"])
-    return markdown_table(["claim", "paper", "measured difference (points)", "95 % interval", "verdict"], body)
+        need = "–" if c.get("seeds_needed") is None else f"{c['seeds_needed']} (sd {c['seed_sd']:.1f})"
+        body.append([c["claim"], c["paper"], f"{c['diff']:+.1f}", ci, f"**{c['verdict']}**", need])
+    return markdown_table(["claim", "paper", "measured difference (points)", "95 % interval", "verdict",
+                           f"seeds for ±{PRECISION:g} at this spread"], body)  # fmt: skip
 
 
 def timing(records: dict[str, list[dict]], planned: dict[str, int]) -> dict[str, Any]:

@@ -32,6 +32,7 @@ __all__ = [
     "pack_bits",
     "unpack_bits",
     "t_quantile",
+    "seeds_needed",
     "t_interval",
     "Cell",
     "cell",
@@ -126,6 +127,35 @@ def t_interval(values: Sequence[float], level: float = 0.95) -> tuple[float, flo
     s = float(xs.std(ddof=1))
     h = t_quantile(0.5 + level / 2, xs.size - 1) * s / math.sqrt(xs.size)
     return m, s, m - h, m + h
+
+
+def seeds_needed(sd: float, half_width: float, level: float = 0.95, *, cap: int = 100_000) -> int:
+    """The fewest seeds ``n >= 2`` whose Student-t interval over per-seed values of standard deviation ``sd`` has
+    half-width at most ``half_width`` (``t_{n-1} * sd / sqrt(n) <= half_width``); ``cap`` when even that many do
+    not suffice. Assumes the spread stays ``sd``: a planning figure, not a promise."""
+    if half_width <= 0:
+        raise ValueError(f"half_width must be > 0, got {half_width}")
+    if sd < 0 or not math.isfinite(sd):
+        raise ValueError(f"sd must be finite and >= 0, got {sd}")
+
+    def fits(n: int) -> bool:
+        return t_quantile(0.5 + level / 2, n - 1) * sd / math.sqrt(n) <= half_width
+
+    if fits(2):
+        return 2
+    lo, hi = 2, 4  # fits(lo) is False; find hi with fits(hi), then bisect (the half-width decreases with n)
+    while not fits(hi):
+        lo, hi = hi, hi * 2
+        if hi >= cap:
+            return cap if not fits(cap) else _bisect(fits, lo, cap)
+    return _bisect(fits, lo, hi)
+
+
+def _bisect(fits, lo: int, hi: int) -> int:
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (lo, mid) if fits(mid) else (mid, hi)
+    return hi
 
 
 def _finite(t: tuple[float, float, float, float]) -> tuple:

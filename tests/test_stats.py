@@ -137,3 +137,23 @@ def test_cell_rejects_mismatched_inputs():
         stats.paired([np.ones((1, 5), bool)], [np.ones((1, 6), bool)], [1.0])
     with pytest.raises(ValueError, match="seeds"):
         stats.paired([np.ones((1, 5), bool)] * 2, [np.ones((1, 5), bool)], [1.0])
+
+
+@pytest.mark.parametrize("sd,hw", [(0.0, 3.0), (1.0, 3.0), (13.3, 3.0), (24.2, 3.0), (5.0, 0.5)])
+def test_seeds_needed_is_the_first_n_that_fits(sd, hw):
+    # independent check: scipy's t quantile and a plain upward scan
+    def half(n):
+        return scipy_stats.t.ppf(0.975, n - 1) * sd / np.sqrt(n)
+
+    n = 2
+    while half(n) > hw:
+        n += 1
+    assert stats.seeds_needed(sd, hw) == n
+
+
+def test_seeds_needed_rejects_bad_input_and_caps():
+    with pytest.raises(ValueError, match="half_width"):
+        stats.seeds_needed(1.0, 0.0)
+    with pytest.raises(ValueError, match="sd"):
+        stats.seeds_needed(-1.0, 3.0)
+    assert stats.seeds_needed(1e6, 1e-3, cap=1000) == 1000
