@@ -354,24 +354,28 @@ def evaluate_run(
 def markdown(evals: Sequence[dict]) -> str:
     """Per task and scoring: accuracy per length (mean over depths), in-distribution vs extrapolated."""
     out = ["# Long-video retrieval (V-NIAH / V-NIAH-D)\n\n",
-           "Exact-match accuracy (%), mean over depths per length; in-distribution = lengths up to the training "
-           "length, extrapolated = longer. Same weights, no fine-tuning.\n"]  # fmt: skip
-    first = evals[0]
+           "Accuracy (%: exact match, or the best-scored option for multiple choice), mean over depths per length; "
+           "in-distribution = lengths up to the training length, extrapolated = longer. Same weights, no "
+           "fine-tuning.\n"]  # fmt: skip
     lengths = sorted({L for ev in evals for L in ev["lengths"]})  # the union: runs may differ
-    for t in first["tasks"]:
-        for s in (s for s in REPORT_SCORINGS if s in first["tasks"][t]):
+    tasks = [t for t in TASKS if any(t in ev["tasks"] for ev in evals)]
+    for t in tasks:
+        for s in REPORT_SCORINGS:  # a table per scoring, with the evaluations that have it (--run / --hf-model)
+            have = [ev for ev in evals if s in ev["tasks"].get(t, {})]
+            if not have:
+                continue
             head = ["run", "variant", "train frames"] + [f"{L} fr" for L in lengths]
             head += ["mean", "in-dist", "extrap"]
             rows = []
-            for ev in evals:
+            for ev in have:
                 r = ev["tasks"][t][s]
                 acc = dict(zip(ev["lengths"], r["per_length"]))
                 rows.append([ev["name"], ev["variant"], ev["train_frames"], *(fmt(acc.get(L)) for L in lengths),
                              fmt(r["mean"]), fmt(r["in_distribution"]), fmt(r["extrapolated"])])  # fmt: skip
-            label = REPORT_SCORINGS[s]
-            out += [f"\n## {t.replace('_', '-').upper()}, {label}\n\n", markdown_table(head, rows)]
-        if "agreement" in first["tasks"][t]:
-            agree = ", ".join(f"{ev['name']} {fmt(ev['tasks'][t]['agreement'])}" for ev in evals)
+            out += [f"\n## {t.replace('_', '-').upper()}, {REPORT_SCORINGS[s]}\n\n", markdown_table(head, rows)]
+        agreeing = [ev for ev in evals if "agreement" in ev["tasks"].get(t, {})]
+        if agreeing:
+            agree = ", ".join(f"{ev['name']} {fmt(ev['tasks'][t]['agreement'])}" for ev in agreeing)
             out.append(f"\nAgreement of the two scorings on {t.replace('_', '-').upper()} (% of samples): {agree}.\n")
     return "".join(out)
 

@@ -220,3 +220,17 @@ def test_errors(tmp_path, tmp_path_factory):
         long_video.main(["--hf-model", str(tmp_path)])  # no --variant
     with pytest.raises(SystemExit):
         long_video.main([])  # neither --run nor --hf-model
+
+
+def test_a_report_mixing_trained_runs_and_checkpoint_folders_has_a_table_per_scoring(tmp_path_factory):
+    folder = folder_for("qwen2_vl", tmp_path_factory)
+    hf = hf_long_video.evaluate_hf(folder, [2], [0.0], variant="mrope", tasks=("v_niah",), samples_per_cell=1,
+                                   haystack="procedural", frame_size=FRAME, progress=False)  # fmt: skip
+    choice = hf["tasks"]["v_niah"]["choice"]
+    run = {**hf, "name": "trained", "tasks": {"v_niah": {"teacher": choice, "generate": choice, "agreement": 1.0}}}
+    text = long_video.markdown([run, hf])
+    sections = text.split("\n## ")[1:]
+    assert [s.splitlines()[0] for s in sections] == ["V-NIAH, teacher-forced", "V-NIAH, greedy generation",
+                                                     "V-NIAH, multiple choice"]  # fmt: skip
+    assert "trained" in sections[0] and hf["name"] not in sections[0]
+    assert hf["name"] in sections[2] and "| trained |" not in sections[2]
