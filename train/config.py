@@ -156,7 +156,8 @@ def read_mapping(path: str | Path, *, what: str) -> dict:
     except yaml.YAMLError as e:
         raise ConfigError(f"{what} {str(path)!r} is not valid JSON or YAML: {e}") from None
     if not isinstance(data, dict):
-        raise ConfigError(f"{what} {str(path)!r} must hold a mapping of keys at the top level, got {type(data).__name__}")
+        kind = type(data).__name__
+        raise ConfigError(f"{what} {str(path)!r} must hold a mapping of keys at the top level, got {kind}")
     return data
 
 
