@@ -30,8 +30,8 @@ from typing import Any, Sequence
 import torch
 
 __all__ = [
-    "HFModel", "load_hf_model", "build_hf_task", "prompt_and_options", "option_logliks", "evaluate_hf",
-    "add_arguments", "check_arguments", "evaluations",
+    "HFModel", "load_hf_model", "build_hf_task", "prompt_and_options", "model_inputs", "option_logliks",
+    "evaluate_hf", "add_arguments", "check_arguments", "evaluations",
 ]  # fmt: skip
 
 DEFAULT_LENGTHS = (8, 16, 32, 64)
@@ -103,7 +103,8 @@ def prompt_and_options(hf: HFModel, question: str, options: Sequence[str]) -> tu
     return prompt, ids
 
 
-def _inputs(hf: HFModel, prompt: str, sample: dict, fps: float, device) -> dict:
+def model_inputs(hf: HFModel, prompt: str, sample: dict, fps: float, device) -> dict:
+    """The processor's tensors of one V-NIAH sample: the prompt with its video, shown at ``fps``, frames as given."""
     frames = sample["frames"].numpy()  # (L, H, W, 3) uint8
     L = frames.shape[0]
     meta = {"fps": fps, "total_num_frames": L, "frames_indices": list(range(L))}
@@ -122,7 +123,7 @@ def option_logliks(model, inputs: dict, options: Sequence[Sequence[int]]) -> tor
     """
     out = model(**inputs, use_cache=True)
     first = out.logits[0, -1].double().log_softmax(-1)
-    cache, S = out.past_key_values, inputs["input_ids"].shape[1]
+    cache = out.past_key_values
     scores = []
     for toks in options:
         ll = first[toks[0]]
@@ -192,7 +193,7 @@ def evaluate_hf(
         for t in tasks:
             for i in range(len(sets[t])):
                 sample = sets[t][i]
-                inputs = _inputs(hf, prompt, sample, fps, device)
+                inputs = model_inputs(hf, prompt, sample, fps, device)
                 if t == tasks[0] and i % (len(depths) * samples_per_cell) == 0:
                     max_position[str(sample["length"])] = _max_position(hf.model, inputs)
                 scores = option_logliks(hf.model, inputs, option_ids)

@@ -180,7 +180,7 @@ def test_cached_option_scores_equal_one_forward_over_prompt_and_option(family, v
     options = ["cat", "red cat", "moon red cat", "astronaut"]  # one to three tokens
     prompt, option_ids = hf_long_video.prompt_and_options(hf, QUESTIONS["needle"], options)
     assert [len(i) for i in option_ids] == [1, 2, 3, 1]
-    inputs = hf_long_video._inputs(hf, prompt, task[0], 2.0, torch.device("cpu"))
+    inputs = hf_long_video.model_inputs(hf, prompt, task[0], 2.0, torch.device("cpu"))
     cached = hf_long_video.option_logliks(hf.model, inputs, option_ids)
     S = inputs["input_ids"].shape[1]
     for k, toks in enumerate(option_ids):
