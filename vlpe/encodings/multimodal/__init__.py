@@ -50,16 +50,15 @@ maximum over all axes + 1 (the released semantics, not transformers 5.x's ``max(
 from .allocations import ALLOCATIONS, allocation_map, default_section, frequency_matrix
 from .designs import DESIGNS, HOPE_SCALES, V2PE_STRIDES, Design
 from .layout import Samples, TokenLayout, packed_samples, token_layout
+from .rotary import apply_rotary_pos_emb, rotary
 from .variants import (
     VARIANTS,
     Variant,
-    apply_rotary_pos_emb,
     decode_position_ids,
     get_variant,
     merge_grids,
     position_ids,
     pype_attention_mask,
-    rotary,
     text_position_ids,
 )
 
