@@ -36,8 +36,8 @@ from vlpe.integrations import transformers as vhf  # noqa: E402
 FAMILY = "qwen2_vl"
 
 
-def _fresh(variant=None, **options):
-    model = _build(FAMILY)
+def _fresh(variant=None, family=FAMILY, **options):
+    model = _build(family)
     if variant is not None:
         vhf.apply(model, variant, **options)
     return model
@@ -75,6 +75,21 @@ def test_remove_on_a_deep_copy_leaves_the_other_patched(variant, which):
     torch.testing.assert_close(steps, full, atol=ATOL, rtol=0)
     vhf.remove(kept)
     assert _is_stock(kept, stock, data)
+
+
+@pytest.mark.parametrize("family,variant", [("qwen3_vl", "mhrope"), ("qwen2_5_vl", "pype"), ("qwen3_vl", "vrope")])
+def test_deep_copies_of_other_families(family, variant):
+    """Qwen3-VL rotates per head after its head-wise norms (their hooks); Qwen2.5-VL's time-aware videos."""
+    data = make_prompt(family, "video")
+    stock = logits(_fresh(family=family), *data)
+    model = _fresh(variant, family=family)
+    want = logits(model, *data)
+    twin = copy.deepcopy(model)
+    vhf.remove(model)
+    assert _is_stock(model, stock, data)
+    torch.testing.assert_close(logits(twin, *data), want, atol=0, rtol=0)
+    _, steps, full = generate_and_teacher_force(twin, *data)
+    torch.testing.assert_close(steps, full, atol=ATOL, rtol=0)
 
 
 @pytest.mark.parametrize("variant", ["videorope", "mhrope", "pype"])
