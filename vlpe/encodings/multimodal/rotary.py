@@ -213,7 +213,9 @@ def rotate_heads(x: Tensor, cos: Tensor, sin: Tensor, unsqueeze_dim: int = 1) ->
         if unsqueeze_dim == 2:  # (B, H_kv, S, d) -> (B, S, H_kv, d), the layout of x
             c, s = c.transpose(1, 2), s.transpose(1, 2)
         elif unsqueeze_dim != 1:
-            raise ValueError(f"per-head rotary tables need the heads of x on dim 1 or 2, got unsqueeze_dim={unsqueeze_dim}")
+            raise ValueError(
+                f"per-head rotary tables need the heads of x on dim 1 or 2, got unsqueeze_dim={unsqueeze_dim}"
+            )
         H, Hkv = x.shape[unsqueeze_dim], c.shape[unsqueeze_dim]
         if H != Hkv:
             if H % Hkv:

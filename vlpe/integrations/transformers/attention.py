@@ -94,7 +94,8 @@ class AttentionHooks:
                 )
             self._heads = (cos, sin)
             B, _, S, D = cos.shape
-            cos, sin = cos.new_ones(()).expand(B, S, D), sin.new_zeros(()).expand(B, S, D)  # the layer's own rotation: none
+            # the layer's own rotation: by identity tables (cos 1, sin 0), exact
+            cos, sin = cos.new_ones(()).expand(B, S, D), sin.new_zeros(()).expand(B, S, D)
         kwargs["position_embeddings"] = (cos, sin)
         if self.masked and len(tables) == 4:
             ids, labels = tables[2], tables[3]
