@@ -419,8 +419,7 @@ class VLM(nn.Module):
         self.hf = hf
         self._variant_arg, self._variant_options = v, dict(variant_options or {})
         vlpe_hf.apply(hf, v, **self._variant_options)
-        self._patch = vlpe_hf.patch_of(hf)
-        self.variant = self._patch.variant  # with an ``allocation`` option applied
+        self.variant = self.patch.variant  # with every option applied (allocation, section, design options)
 
     def set_rope_scaling(self, scaling: Mapping[str, Any] | None) -> "VLM":
         """Training-free scaling of the decoder's rotary tables from the next forward on (a vlpe scaling dict,
@@ -431,12 +430,17 @@ class VLM(nn.Module):
         options = dict(self._variant_options)
         if scaling is not None:
             options["scaling"] = dict(scaling)
-        vlpe_hf.remove(self.hf)
-        vlpe_hf.apply(self.hf, self._variant_arg, **options)
-        self._patch = vlpe_hf.patch_of(self.hf)
+        vlpe_hf.apply(self.hf, self._variant_arg, **options)  # replaces the current patch
         return self
 
     # -- properties ------------------------------------------------------------------------------------------------
+    @property
+    def patch(self):
+        """The decoder's :class:`vlpe.integrations.transformers.Patch` (found on the model, so it follows copies)."""
+        from vlpe.integrations import transformers as vlpe_hf
+
+        return vlpe_hf.patch_of(self.hf)
+
     @property
     def visual(self) -> VisionTower:
         return self.hf.model.visual
@@ -448,7 +452,7 @@ class VLM(nn.Module):
     @property
     def position_options(self) -> dict[str, Any]:
         """The design options the decoder was patched with (defaults filled in: PyPE's depth ...)."""
-        return dict(self._patch.design_options)
+        return self.patch.design_options
 
     def no_weight_decay(self) -> set[str]:
         names = {f"hf.model.visual.{n}" for n in self.visual.no_weight_decay()}
@@ -459,7 +463,7 @@ class VLM(nn.Module):
         vc = self.hf.config.vision_config
         base = dict(
             tokenizer=self.tokenizer, variant=self.variant, position_options=self.position_options,
-            masked=self._patch.masked, patch_size=vc.patch_size, temporal_patch_size=vc.temporal_patch_size,
+            masked=self.variant.masked, patch_size=vc.patch_size, temporal_patch_size=vc.temporal_patch_size,
             merge_size=vc.spatial_merge_size,
         )  # fmt: skip
         return VLMCollate(**{**base, **kwargs})
@@ -493,19 +497,11 @@ class VLM(nn.Module):
         time-aware designs (``qwen25vl``) place frames by it: hand this batch's values to the patch for the call
         (the collator used the same values)."""
         spg = batch.get("second_per_grid_ts")
-        options = self._patch.design_options
         if spg is None or "second_per_grid_ts" not in mm.DESIGNS[self.variant.design].defaults:
             yield
             return
-        had, saved = "second_per_grid_ts" in options, options.get("second_per_grid_ts")
-        options["second_per_grid_ts"] = spg
-        try:
+        with self.patch.using(second_per_grid_ts=spg):
             yield
-        finally:
-            if had:
-                options["second_per_grid_ts"] = saved
-            else:
-                del options["second_per_grid_ts"]
 
 
 def vlm(preset: str = "tiny", *, tokenizer: Any, variant: Any = "mrope_i", **overrides: Any) -> VLM:

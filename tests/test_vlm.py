@@ -186,7 +186,7 @@ def test_generate_equals_teacher_forcing(variant, tok, samples):
         model.variant, full["mm_token_type_ids"], prompt["video_grid_thw"], attention_mask=full["attention_mask"],
         spatial_merge_size=2, **options,
     )  # fmt: skip
-    full["position_ids"] = pack_position_ids(ids, full["attention_mask"], masked=model._patch.masked)
+    full["position_ids"] = pack_position_ids(ids, full["attention_mask"], masked=model.variant.masked)
     with torch.no_grad():
         given = model(full)["logits"][:, S - 1 : -1]
     torch.testing.assert_close(steps, given, atol=1e-4, rtol=0)
@@ -300,7 +300,11 @@ def test_variant_config_loads_and_builds(variant, tok):
     assert cfg.model.variant == variant
     assert cfg.train.out_dir.endswith(variant)
     model = build_model(cfg, tok)
-    assert model.variant == mm.get_variant(variant)
+    preset = mm.get_variant(variant)
+    # the preset, with the options the decoder was patched with (its mrope_section, PyPE's depth ...) filled in
+    assert (model.variant.name, model.variant.design, model.variant.allocation) == (
+        preset.name, preset.design, preset.allocation)
+    assert model.variant.design_options.items() >= preset.design_options.items()
     full = _load(ROOT / "configs" / "full" / f"{variant}.yaml")
     assert full.model.variant == variant and full.model.preset == "full"
     assert full.data.frames > cfg.data.frames and full.train.out_dir != cfg.train.out_dir
