@@ -52,7 +52,7 @@ from torch import nn
 
 import vlpe
 from vlpe.encodings import build, get
-from vlpe.encodings.pape import PaPENaive
+from benchmarks.reference_forms import PaPENaive
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -30,16 +30,14 @@ from __future__ import annotations
 
 import argparse
 import math
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import fmt, markdown_table, pick_device, write_json  # noqa: E402
-from stats import pack_bits  # noqa: E402
+from common import fmt, markdown_table, pick_device, write_json
+from stats import pack_bits
 
 import hf_long_video  # noqa: E402
 

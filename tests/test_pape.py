@@ -11,7 +11,7 @@ import torch.nn.functional as F
 import vlpe
 from vlpe import Positions, attend, attention_logits
 from vlpe.encodings import build
-from vlpe.encodings.pape import PaPENaive
+from benchmarks.reference_forms import PaPENaive
 from vlpe.testing import PropertyFailure, check_rotation_invariant
 
 

@@ -1,4 +1,4 @@
-"""``python -m vlpe.demo``: every registered encoding side by side.
+"""``python eval/properties.py``: every registered encoding side by side (step 4 of ``make demo``).
 
 For each name in :func:`vlpe.encodings.available` (or ``--only``) the demo
 
@@ -40,11 +40,11 @@ from typing import Sequence
 import torch
 from torch import Tensor
 
-from .attention import attention_logits
-from .encodings import available, build, get
-from .encodings.base import Encoding
-from .positions import Positions
-from .testing import CHECKS, property_report
+from vlpe.attention import attention_logits
+from vlpe.encodings import available, build, get
+from vlpe.encodings.base import Encoding
+from vlpe.positions import Positions
+from vlpe.testing import CHECKS, property_report
 
 __all__ = ["main", "build_for_demo", "demo_positions", "attention_map", "Row"]
 
@@ -303,9 +303,10 @@ def format_table(rows: list[Row]) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m vlpe.demo", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python eval/properties.py", description=__doc__.split("\n\n")[0])
     parser.add_argument("--only", nargs="+", metavar="NAME", help="encodings to run (default: all registered)")
-    parser.add_argument("--out", type=Path, default=Path("outputs/demo"), help="plot folder (default: outputs/demo)")
+    parser.add_argument("--out", type=Path, default=Path("outputs/properties"),
+                        help="plot folder (default: outputs/properties)")
     parser.add_argument("--sizes", nargs="+", type=int, default=list(DEFAULT_SIZES), help="grid sides (default: 8 16)")
     parser.add_argument("--no-plots", action="store_true", help="property table only")
     args = parser.parse_args(argv)
