@@ -9,6 +9,7 @@ import torch
 from torch import Tensor
 
 from .base import Context, Encoding, LatticeBias
+from .spec import EncodingSpec
 from .functional.bias import lattice_offsets
 from .registry import register, register_preset
 
@@ -153,17 +154,15 @@ class LookHere(Encoding):
     keep_fp32 = True  # exact fp32 parameters/buffers through downcasts (see Encoding.keep_fp32)
 
     claims = frozenset({"relative", "extrapolation", "fp32_angles"})
+    pieces = frozenset({"score", "score_heads", "lattice_bias", "flex"})
     supported_axes = (2,)
-    #: the registry-wide kit builds 4 heads: one 4-head group (also for the 12-head presets)
-    kit_options: ClassVar[dict] = {"head_directions": "corners"}
+    #: the example (property kit, demo, benchmarks) has 4 heads: one 4-head group (also for the 12-head presets)
+    example: ClassVar[dict] = {"head_directions": "corners"}
 
     def __init__(
         self,
         *,
-        dim: int,
-        num_heads: int,
-        depth: int = 12,
-        num_axes: int = 2,
+        spec: EncodingSpec,
         head_directions: str | None = None,
         global_slope: float = 2.0,
         layer_slopes: Sequence[float] = (1.5, 0.5),
@@ -171,7 +170,8 @@ class LookHere(Encoding):
         distance: Literal["linear", "sqrt", "square"] = "linear",
         fill_with: Literal["inf", "zero", "max"] = "inf",
     ) -> None:
-        super().__init__(dim=dim, num_heads=num_heads, depth=depth, num_axes=num_axes)
+        num_heads = spec.num_heads
+        super().__init__(spec=spec)
         if fill_with not in _FILLS:
             raise ValueError(
                 f"fill_with must be one of {_FILLS} (masked logits: -3.39e38, 0, the largest distance penalty), "

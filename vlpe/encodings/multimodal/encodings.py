@@ -16,6 +16,7 @@ from torch import Tensor
 
 from ...positions import Positions
 from ..base import Context
+from ..spec import EncodingSpec
 from ..functional.rope import apply_rope, cos_sin, inv_freq, rope_angles, to_half, to_interleaved
 from ..registry import register
 from ..rope import RotaryEncoding
@@ -46,20 +47,18 @@ class MultimodalRoPE(RotaryEncoding):
     """
 
     variant: ClassVar[str] = ""
+    default_num_axes = 3
 
     def __init__(
         self,
         *,
-        dim: int,
-        num_heads: int,
-        depth: int = 12,
-        num_axes: int = 3,
+        spec: EncodingSpec,
         theta: float | None = None,
         section: Sequence[int] | None = None,
         layout: Literal["half", "interleaved"] = "half",
         scaling: Mapping[str, Any] | None = None,
     ) -> None:
-        super().__init__(dim=dim, num_heads=num_heads, depth=depth, num_axes=num_axes, layout=layout)
+        super().__init__(spec=spec, layout=layout)
         v = self.spec
         self.theta = float(v.theta if theta is None else theta)
         if self.theta <= 0:
@@ -168,9 +167,9 @@ class MultiHeadRoPE(MultimodalRoPE):
     variant = "mhrope"
     supported_axes = (3,)
 
-    def __init__(self, *, num_kv_heads: int | None = None, **kwargs) -> None:
-        self.num_kv_heads = kwargs.get("num_heads") if num_kv_heads is None else num_kv_heads
-        super().__init__(**kwargs)
+    def __init__(self, *, spec: EncodingSpec, **kwargs) -> None:
+        self.num_kv_heads = spec.num_heads if spec.num_kv_heads is None else spec.num_kv_heads
+        super().__init__(spec=spec, **kwargs)
 
     def _map(self) -> Tensor:
         H, Hkv = self.num_heads, self.num_kv_heads
@@ -216,9 +215,7 @@ class VRoPE(MultimodalRoPE):
 
     variant = "vrope"
     supported_axes = (4,)
-
-    def __init__(self, *, num_axes: int = 4, **kwargs) -> None:
-        super().__init__(num_axes=num_axes, **kwargs)
+    default_num_axes = 4
 
 
 @register("v2pe")
@@ -230,9 +227,7 @@ class V2PE(MultimodalRoPE):
 
     variant = "v2pe"
     supported_axes = (1,)
-
-    def __init__(self, *, num_axes: int = 1, **kwargs) -> None:
-        super().__init__(num_axes=num_axes, **kwargs)
+    default_num_axes = 1
 
 
 @register("pype")
@@ -247,17 +242,26 @@ class PyPE(MultimodalRoPE):
 
     variant = "pype"
     supported_axes = None
-    #: the registry-wide property kit runs the rotation alone (the -inf mask makes logit differences NaN)
-    kit_options: ClassVar[dict] = {"mask": False}
+    #: the property kit runs the rotation alone (the -inf mask makes logit differences NaN)
+    example: ClassVar[dict] = {"mask": False}
 
-    def __init__(self, *, depth: int = 12, num_axes: int | None = None, mask: bool = True, **kwargs) -> None:
+    def __init__(self, *, spec: EncodingSpec, mask: bool = True, **kwargs) -> None:
         self.mask = bool(mask)
-        num_axes = depth if num_axes is None else num_axes
-        if num_axes not in (1, depth):
+        depth, num_axes = spec.depth, spec.num_axes
+        if num_axes not in (None, 1, depth):
             raise ValueError(
                 f"PyPE positions have one axis per layer: num_axes must be 1 or depth={depth}, got {num_axes}"
             )
-        super().__init__(depth=depth, num_axes=num_axes, **kwargs)
+        super().__init__(spec=spec, **kwargs)
+
+    @classmethod
+    def axes_for(cls, spec: EncodingSpec) -> int:
+        return spec.depth  # one axis per layer
+
+    @property
+    def pieces(self) -> frozenset[str]:
+        """The rotation, and the ring mask (a score with its per-head form) only with ``mask=True``."""
+        return frozenset({"rotate", "score", "score_heads"} if self.mask else {"rotate"})
 
     def _frequencies(self) -> Tensor:
         if self.head_dim % 2:
