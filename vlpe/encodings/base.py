@@ -176,6 +176,8 @@ class Encoding(nn.Module):
     #: (it reads the coordinates it is given) or ``"rows"`` (a learned table read by grid index:
     #: :meth:`prepare_rows`)
     resampling: ClassVar[str | None] = None
+    #: reads ``spec.num_kv_heads`` (grouped-query decoders); ``build`` rejects the option for the others
+    takes_kv_heads: ClassVar[bool] = False
 
     def __init__(self, *, spec: EncodingSpec) -> None:
         super().__init__()

@@ -79,7 +79,7 @@ def get(name: str) -> type[Encoding]:
 def options_of(cls: type[Encoding]) -> set[str]:
     """Keyword options ``build`` accepts for a class: the spec facts (:data:`SPEC_FIELDS`) and the constructor's
     own options (following ``**kwargs`` up the MRO)."""
-    names: set[str] = set(SPEC_FIELDS)
+    names: set[str] = {f for f in SPEC_FIELDS if f != "num_kv_heads" or cls.takes_kv_heads}
     for klass in cls.__mro__:
         if "__init__" not in klass.__dict__ or klass is object:
             continue

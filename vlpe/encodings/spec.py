@@ -3,7 +3,8 @@
 :func:`vlpe.encodings.build` turns ``dim=``, ``num_heads=`` and the model facts among the options
 (``depth``, ``num_axes``, ``grid``, ``num_kv_heads``) into one :class:`EncodingSpec` and passes it the same
 way to every encoding (``cls(spec=spec, **its_own_options)``); callers never need to know which encoding
-reads which fact. An encoding ignores the facts it has no use for.
+reads which fact. An encoding ignores the facts it has no use for, except ``num_kv_heads``, which only
+encodings declaring ``takes_kv_heads`` accept (it changes the attention's shape, so it is never dropped).
 """
 
 from __future__ import annotations

@@ -166,6 +166,7 @@ class MultiHeadRoPE(MultimodalRoPE):
 
     variant = "mhrope"
     supported_axes = (3,)
+    takes_kv_heads = True
 
     def __init__(self, *, spec: EncodingSpec, **kwargs) -> None:
         self.num_kv_heads = spec.num_heads if spec.num_kv_heads is None else spec.num_kv_heads
