@@ -51,7 +51,7 @@ import torch
 from torch import nn
 
 import vlpe
-from vlpe.encodings import build, get
+from vlpe.encodings import build, construct, get
 from benchmarks.reference_forms import PaPENaive
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -108,11 +108,9 @@ def build_encodings(names, *, dim, num_heads, depth, grid, device):
     out, skipped = {}, {}
     for name in ["nope"] + [n for n in names if n != "nope"]:
         try:
-            opts = {"depth": depth, "num_axes": 2}
-            if name == "ape":
-                opts["grid_size"] = grid  # trained at the benchmark grid: no resampling cost
+            opts = {"depth": depth, "num_axes": 2, "grid": tuple(grid)}  # learned tables at the benchmark grid
             if name in REFERENCE_FORMS:
-                out[name] = REFERENCE_FORMS[name](dim=dim, num_heads=num_heads, **opts).to(device)
+                out[name] = construct(REFERENCE_FORMS[name], dim=dim, num_heads=num_heads, **opts).to(device)
             else:
                 out[name] = build(name, dim=dim, num_heads=num_heads, **opts).to(device)
         except (ValueError, TypeError) as e:

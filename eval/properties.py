@@ -3,7 +3,7 @@
 For each name in :func:`vlpe.encodings.available` (or ``--only``) the demo
 
 1. builds the encoding as the property tests do (``dim=64, num_heads=4, depth=2``, the first of its
-   ``supported_axes``, its ``kit_options``),
+   ``supported_axes``, its declared ``example`` options),
 2. runs the property kit over every property (:func:`vlpe.testing.property_report`), one table row each,
 3. plots the attention of the centre patch over the patch grid at two resolutions, one panel per head,
    to ``<out>/attention_<name>.png``, and the head-averaged pattern of every encoding to
@@ -44,7 +44,7 @@ from vlpe.attention import attention_logits
 from vlpe.encodings import available, build, get
 from vlpe.encodings.base import Encoding
 from vlpe.positions import Positions
-from vlpe.testing import CHECKS, property_report
+from vlpe.testing import CHECKS, example, property_report
 
 __all__ = ["main", "build_for_demo", "demo_positions", "attention_map", "Row"]
 
@@ -55,11 +55,8 @@ _SHORT = {"zero_init": "zero", "rotation_invariant": "rot_inv", "extrapolation":
 
 
 def build_for_demo(name: str) -> Encoding:
-    """``name`` built as ``tests/test_properties.py`` builds it, in eval mode."""
-    cls = get(name)
-    opts = dict(getattr(cls, "kit_options", {}))
-    opts.setdefault("num_axes", cls.supported_axes[0] if cls.supported_axes else 2)
-    return build(name, dim=DIM, num_heads=HEADS, depth=DEPTH, **opts).eval()
+    """``name`` in its declared example configuration (as the property kit builds it), in eval mode."""
+    return example(name, dim=DIM, num_heads=HEADS, depth=DEPTH).eval()
 
 
 def demo_positions(num_axes: int, size: int) -> tuple[Positions, tuple[int, ...], int]:

@@ -119,8 +119,7 @@ class ViT(nn.Module, HubMixin):
         )
         options = dict(encoding_options or {})
         options.setdefault("num_axes", 2)
-        if "grid_size" in vlpe.encodings.options_of(vlpe.encodings.get(encoding)):
-            options.setdefault("grid_size", self.grid_size)  # learned tables sized to the training grid
+        options.setdefault("grid", self.grid_size)  # a build-time fact: learned tables are sized to it
         self.encoder = Encoder(
             dim=embed_dim,
             depth=depth,
@@ -344,9 +343,7 @@ def fits(preset: str, encoding: str) -> bool:
     """Whether ``encoding`` builds for ``preset``'s width, heads and depth on a 2D grid (LookHere's direction
     presets need 12 heads, for instance); the encoding's own ``ValueError`` says why not."""
     dims = PRESETS[preset]
-    options: dict[str, Any] = dict(num_axes=2, depth=dims["depth"])
-    if "grid_size" in vlpe.encodings.options_of(vlpe.encodings.get(encoding)):
-        options["grid_size"] = (2, 2)
+    options: dict[str, Any] = dict(num_axes=2, depth=dims["depth"], grid=(2, 2))
     try:
         vlpe.encodings.build(encoding, dim=dims["embed_dim"], num_heads=dims["num_heads"], **options)
     except ValueError:

@@ -14,12 +14,7 @@ from vlpe.testing import PropertyFailure, check_fp32_angles
 
 
 def _build(name, **extra):
-    cls = get(name)
-    axes = cls.supported_axes[0] if cls.supported_axes else 2
-    opts = dict(getattr(cls, "kit_options", {}))
-    opts.setdefault("num_axes", axes)
-    opts.update(extra)
-    return build(name, dim=64, num_heads=4, depth=2, **opts)
+    return vlpe.testing.example(name, **extra)
 
 
 def _randomise(enc, seed=0):
@@ -73,7 +68,7 @@ def _effect_at(enc, pos, layer):
     x = torch.randn(1, pos.num_tokens, enc.dim, generator=g)
     ctx = enc.prepare(pos)
     out = [attend(q, k, k, enc=enc, ctx=ctx, layer=layer, backend="eager")]
-    if enc.uses("mix"):
+    if ctx.plan[layer].mix:
         out.append(enc.mix(x, ctx, layer))
     return out
 
@@ -216,7 +211,7 @@ def test_a_context_from_another_encoding_or_none_is_a_value_error(name):
             ("widen", lambda c: enc.widen(q, q, c, 0)),
             ("score", lambda c: enc.score(q, q, c, 0)),
         ):
-            if enc.uses(hook):
+            if hook in enc.pieces:
                 with pytest.raises(ValueError, match="prepare"):
                     call(ctx)
 

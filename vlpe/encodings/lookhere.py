@@ -9,6 +9,7 @@ import torch
 from torch import Tensor
 
 from .base import Context, Encoding, LatticeBias
+from .spec import EncodingSpec
 from .functional.bias import lattice_offsets
 from .registry import register, register_preset
 
@@ -153,17 +154,15 @@ class LookHere(Encoding):
     keep_fp32 = True  # exact fp32 parameters/buffers through downcasts (see Encoding.keep_fp32)
 
     claims = frozenset({"relative", "extrapolation", "fp32_angles"})
+    pieces = frozenset({"score", "score_heads", "lattice_bias", "flex"})
     supported_axes = (2,)
-    #: the registry-wide kit builds 4 heads: one 4-head group (also for the 12-head presets)
-    kit_options: ClassVar[dict] = {"head_directions": "corners"}
+    #: the example (property kit, demo, benchmarks) has 4 heads: one 4-head group (also for the 12-head presets)
+    example: ClassVar[dict] = {"head_directions": "corners"}
 
     def __init__(
         self,
         *,
-        dim: int,
-        num_heads: int,
-        depth: int = 12,
-        num_axes: int = 2,
+        spec: EncodingSpec,
         head_directions: str | None = None,
         global_slope: float = 2.0,
         layer_slopes: Sequence[float] = (1.5, 0.5),
@@ -171,7 +170,8 @@ class LookHere(Encoding):
         distance: Literal["linear", "sqrt", "square"] = "linear",
         fill_with: Literal["inf", "zero", "max"] = "inf",
     ) -> None:
-        super().__init__(dim=dim, num_heads=num_heads, depth=depth, num_axes=num_axes)
+        num_heads = spec.num_heads
+        super().__init__(spec=spec)
         if fill_with not in _FILLS:
             raise ValueError(
                 f"fill_with must be one of {_FILLS} (masked logits: -3.39e38, 0, the largest distance penalty), "
@@ -360,12 +360,12 @@ class LookHere(Encoding):
 
         def score_mod(score, b, h, q_idx, kv_idx):
             dx, dy = offsets(b, q_idx, kv_idx)
-            bias = slopes[h] * dist(dx * dx + dy * dy)
+            d = dist(dx * dx + dy * dy)
             if centre is not None:
-                bias = torch.where(is_center[h], slopes[h] * centre[b if per_sample else 0, kv_idx], bias)
-            if mode != "inf":
-                masked_value = slopes[h] * fill[b if per_sample else 0] if mode == "max" else torch.zeros_like(bias)
-                bias = torch.where(visible(b, h, q_idx, kv_idx), bias, masked_value)
+                d = torch.where(is_center[h], centre[b if per_sample else 0, kv_idx], d)
+            # fill 'inf': the block_mask drops hidden keys, so the formula sees visible keys only
+            hidden = None if mode == "inf" else ~visible(b, h, q_idx, kv_idx)
+            bias = head_bias(d, slopes[h], hidden, mode, fill[b if per_sample else 0] if mode == "max" else None)
             if prefix:
                 bias = torch.where((q_idx < prefix) | (kv_idx < prefix), torch.zeros_like(bias), bias)
             return score + bias.to(score.dtype)
@@ -455,22 +455,45 @@ class _Pairs:
         d = dist
         if kind == "center":
             d = self.ctx["centre_dist"][:, None, :].expand(B, n, N)  # the key's distance to the centre
-        if hid is not None and enc.fill_with == "inf":
-            if kind == "zero":
-                o.copy_(floor)
-            else:
-                torch.add(floor, d, alpha=s, out=o)  # -3.39e38 absorbs the penalty exactly
-            return
-        if kind == "zero":
-            o.zero_()
-        else:
-            torch.mul(d, s, out=o)
-        if hid is None:
-            return
-        if enc.fill_with == "zero" or kind == "zero":
-            o.masked_fill_(hid, 0.0)
-        else:  # "max": the largest distance of the grid, penalised like a visible key
-            o.copy_(torch.where(hid, (self.ctx["max_dist"] * s)[:, None, None], o))
+        max_dist = self.ctx["max_dist"][:, None, None] if enc.fill_with == "max" else None  # (B, 1, 1)
+        head_bias(d, 0.0 if kind == "zero" else s, hid, enc.fill_with, max_dist, floor=floor, out=o)
+
+
+def head_bias(d: Tensor, slope, hidden: Tensor | None, fill_with: str, max_dist: Tensor | None = None, *,
+              floor: Tensor | None = None, out: Tensor | None = None) -> Tensor:
+    """LookHere's bias of one head: the one formula of the dense path (:class:`_Pairs`) and the flex path.
+
+    ``slope * d`` for a key inside the field of view (``d`` the penalised distance, or the key's distance to
+    the image centre for "center" heads; ``slope`` <= 0, 0 for "zero" heads); for a key outside it (``hidden``
+    True): the finite ``-3.39e38`` (``fill_with='inf'``; it absorbs the penalty exactly, so the formula is
+    ``slope * d + floor`` with ``floor = hidden * -3.39e38``), 0 (``'zero'``) or ``slope * max_dist`` (``'max'``,
+    the grid diagonal penalised like a visible key). ``hidden`` None: every key is visible.
+
+    Out of place when ``out`` is None (traced by ``torch.compile`` in flex's ``score_mod``); else written into
+    ``out`` with the same values (``floor``: the cached ``hidden * -3.39e38`` of the head's field of view).
+    """
+    if out is None:
+        bias = d * slope
+        if hidden is None:
+            return bias
+        if fill_with == "inf":
+            return bias + torch.where(hidden, _MASKED, 0.0)
+        return torch.where(hidden, 0.0 if fill_with == "zero" else slope * max_dist, bias)
+    if hidden is not None and fill_with == "inf":
+        if floor is None:
+            floor = torch.mul(hidden, _MASKED)
+        if slope == 0:
+            return out.copy_(floor)
+        return torch.add(floor, d, alpha=slope, out=out)  # floor + slope * d
+    if slope == 0:
+        out.zero_()
+    else:
+        torch.mul(d, slope, out=out)
+    if hidden is None:
+        return out
+    if fill_with == "zero" or slope == 0:
+        return out.masked_fill_(hidden, 0.0)
+    return out.copy_(torch.where(hidden, max_dist * slope, out))
 
 
 # LH-90 is the reference's released config (global slope 2, layer slopes 1.5 -> 0.5, quadrants + 90-degree

@@ -44,6 +44,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .base import Context, Encoding, fp32
+from .spec import EncodingSpec
 from .registry import register
 
 __all__ = ["PaPE", "PaPERI", "centred_coords"]
@@ -115,9 +116,11 @@ class _ParabolicBase(Encoding):
     keep_fp32 = True  # exact fp32 parameters/buffers through downcasts (see Encoding.keep_fp32)
 
     claims = frozenset({"relative", "extrapolation", "neutral", "fp32_angles"})
+    pieces = frozenset({"widen"})
+    resampling = "coords"
 
-    def __init__(self, *, dim, num_heads, depth, num_axes, prefix_position: PrefixPosition) -> None:
-        super().__init__(dim=dim, num_heads=num_heads, depth=depth, num_axes=num_axes)
+    def __init__(self, *, spec: EncodingSpec, prefix_position: PrefixPosition) -> None:
+        super().__init__(spec=spec)
         if prefix_position not in ("corner", "none"):
             raise ValueError(
                 f"prefix_position must be 'corner' (prefix tokens one step before the first patch, as the "
@@ -208,14 +211,12 @@ class PaPE(_ParabolicBase):
     def __init__(
         self,
         *,
-        dim: int,
-        num_heads: int,
-        depth: int = 12,
-        num_axes: int = 2,
+        spec: EncodingSpec,
         num_parabolas: int = 50,
         prefix_position: PrefixPosition = "corner",
     ) -> None:
-        super().__init__(dim=dim, num_heads=num_heads, depth=depth, num_axes=num_axes, prefix_position=prefix_position)
+        dim, num_heads, depth, num_axes = spec.dim, spec.num_heads, spec.depth, spec.num_axes
+        super().__init__(spec=spec, prefix_position=prefix_position)
         if not isinstance(num_parabolas, int) or num_parabolas < 1:
             raise ValueError(f"num_parabolas must be an integer >= 1 (the reference uses 50), got {num_parabolas!r}")
         self.num_parabolas = num_parabolas
@@ -326,13 +327,11 @@ class PaPERI(_ParabolicBase):
     def __init__(
         self,
         *,
-        dim: int,
-        num_heads: int,
-        depth: int = 12,
-        num_axes: int = 2,
+        spec: EncodingSpec,
         prefix_position: PrefixPosition = "corner",
     ) -> None:
-        super().__init__(dim=dim, num_heads=num_heads, depth=depth, num_axes=num_axes, prefix_position=prefix_position)
+        dim, num_heads, depth = spec.dim, spec.num_heads, spec.depth
+        super().__init__(spec=spec, prefix_position=prefix_position)
         self.coeff = nn.Parameter(torch.empty(depth, dim, num_heads))
         self.register_buffer("scales", torch.empty(depth, num_heads))
         self.reset_parameters()

@@ -169,8 +169,8 @@ def convert(model: nn.Module, encoding: str | Encoding, *, inplace: bool = False
     else:
         options.setdefault("depth", len(blocks))
         options.setdefault("num_axes", 2)
+        options.setdefault("grid", tuple(int(g) for g in patch_embed.grid_size))  # the training grid
         if encoding == "ape":
-            options.setdefault("grid_size", tuple(patch_embed.grid_size))
             no_cls_slot = getattr(model, "no_embed_class", False)
             options.setdefault("prefix", 0 if no_cls_slot else int(getattr(model, "num_prefix_tokens", 0)))
         enc = build(encoding, dim=dim, num_heads=heads, **options)

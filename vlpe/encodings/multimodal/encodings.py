@@ -16,8 +16,9 @@ from torch import Tensor
 
 from ...positions import Positions
 from ..base import Context
+from ..spec import EncodingSpec
 from ..functional.rope import apply_rope, cos_sin, inv_freq, rope_angles, to_half, to_interleaved
-from ..registry import register
+from ..registry import construct, register, resolve_spec
 from ..rope import RotaryEncoding
 from .allocations import allocation_map, axes_of, frequency_matrix
 from .variants import VARIANTS, Variant, get_variant
@@ -47,20 +48,18 @@ class MultimodalRoPE(RotaryEncoding):
 
     #: the variant a registered class is a view of (the :data:`VARIANTS` object itself, not a copy of its settings)
     variant: ClassVar[Variant | None] = None
+    default_num_axes = 3
 
     def __init__(
         self,
         *,
-        dim: int,
-        num_heads: int,
-        depth: int = 12,
-        num_axes: int = 3,
+        spec: EncodingSpec,
         theta: float | None = None,
         section: Sequence[int] | None = None,
         layout: Literal["half", "interleaved"] = "half",
         scaling: Mapping[str, Any] | None = None,
     ) -> None:
-        super().__init__(dim=dim, num_heads=num_heads, depth=depth, num_axes=num_axes, layout=layout)
+        super().__init__(spec=spec, layout=layout)
         v = self.spec
         self.theta = float(v.theta if theta is None else theta)
         if self.theta <= 0:
@@ -76,13 +75,14 @@ class MultimodalRoPE(RotaryEncoding):
         v = get_variant(variant)
         for sub in _views():
             if sub.variant == v:
-                return sub(dim=dim, num_heads=num_heads, **options)
+                return construct(sub, dim=dim, num_heads=num_heads, **options)
         klass = PyPE if v.layered else MultiHeadRoPE if v.allocation == "multi_head" else MultimodalRoPE
         if klass is MultimodalRoPE and "num_axes" not in options:
             options["num_axes"] = v.num_axes()
+        spec, own = resolve_spec(klass, dim=dim, num_heads=num_heads, who=f"variant {v.name or v.design!r}", **options)
         obj = klass.__new__(klass)
         obj.__dict__["_variant"] = v  # read by ``spec`` during __init__
-        obj.__init__(dim=dim, num_heads=num_heads, **options)
+        obj.__init__(spec=spec, **own)
         return obj
 
     @property
@@ -188,10 +188,11 @@ class MultiHeadRoPE(MultimodalRoPE):
 
     variant = VARIANTS["mhrope"]
     supported_axes = (3,)
+    takes_kv_heads = True
 
-    def __init__(self, *, num_kv_heads: int | None = None, **kwargs) -> None:
-        self.num_kv_heads = kwargs.get("num_heads") if num_kv_heads is None else num_kv_heads
-        super().__init__(**kwargs)
+    def __init__(self, *, spec: EncodingSpec, **kwargs) -> None:
+        self.num_kv_heads = spec.num_heads if spec.num_kv_heads is None else spec.num_kv_heads
+        super().__init__(spec=spec, **kwargs)
 
     def _map(self) -> Tensor:
         H, Hkv = self.num_heads, self.num_kv_heads
@@ -237,9 +238,7 @@ class VRoPE(MultimodalRoPE):
 
     variant = VARIANTS["vrope"]
     supported_axes = (4,)
-
-    def __init__(self, *, num_axes: int = 4, **kwargs) -> None:
-        super().__init__(num_axes=num_axes, **kwargs)
+    default_num_axes = 4
 
 
 @register("v2pe")
@@ -251,9 +250,7 @@ class V2PE(MultimodalRoPE):
 
     variant = VARIANTS["v2pe"]
     supported_axes = (1,)
-
-    def __init__(self, *, num_axes: int = 1, **kwargs) -> None:
-        super().__init__(num_axes=num_axes, **kwargs)
+    default_num_axes = 1
 
 
 @register("pype")
@@ -268,17 +265,26 @@ class PyPE(MultimodalRoPE):
 
     variant = VARIANTS["pype"]
     supported_axes = None
-    #: the registry-wide property kit runs the rotation alone (the -inf mask makes logit differences NaN)
-    kit_options: ClassVar[dict] = {"mask": False}
+    #: the property kit runs the rotation alone (the -inf mask makes logit differences NaN)
+    example: ClassVar[dict] = {"mask": False}
 
-    def __init__(self, *, depth: int = 12, num_axes: int | None = None, mask: bool = True, **kwargs) -> None:
+    def __init__(self, *, spec: EncodingSpec, mask: bool = True, **kwargs) -> None:
         self.mask = bool(mask)
-        num_axes = depth if num_axes is None else num_axes
-        if num_axes not in (1, depth):
+        depth, num_axes = spec.depth, spec.num_axes
+        if num_axes not in (None, 1, depth):
             raise ValueError(
                 f"PyPE positions have one axis per layer: num_axes must be 1 or depth={depth}, got {num_axes}"
             )
-        super().__init__(depth=depth, num_axes=num_axes, **kwargs)
+        super().__init__(spec=spec, **kwargs)
+
+    @classmethod
+    def axes_for(cls, spec: EncodingSpec) -> int:
+        return spec.depth  # one axis per layer
+
+    @property
+    def pieces(self) -> frozenset[str]:
+        """The rotation, and the ring mask (a score with its per-head form) only with ``mask=True``."""
+        return frozenset({"rotate", "score", "score_heads"} if self.mask else {"rotate"})
 
     def _frequencies(self) -> Tensor:
         if self.head_dim % 2:
