@@ -25,13 +25,14 @@ positions restart at every sample boundary without a loop over samples.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
 from torch import Tensor
 
-__all__ = ["TokenLayout", "token_layout", "Check", "Samples", "packed_samples", "merge_divisor"]
+__all__ = ["TokenLayout", "token_layout", "Check", "Samples", "packed_samples", "merge_divisor", "grid_position_ids"]
 
 
 @dataclass
@@ -285,6 +286,26 @@ def _as_grid(grid_thw, device: torch.device) -> Tensor:
     return grid
 
 
+def _checked_inputs(mm_token_type_ids, attention_mask, spatial_merge_size) -> tuple[Tensor, Tensor | None, int]:
+    """The token types ``(B, S)``, the attention mask as a bool ``(B, S)`` (None if not given) and the merge size,
+    with the eager shape / dtype checks shared by :func:`token_layout` and :func:`grid_position_ids`."""
+    types = torch.as_tensor(mm_token_type_ids)
+    if types.dim() != 2:
+        raise ValueError(f"mm_token_type_ids must have shape (B, S), got {tuple(types.shape)}")
+    if types.is_floating_point() or types.dtype == torch.bool:
+        raise ValueError(f"mm_token_type_ids must hold integers 0 (text), 1 (image), 2 (video), got {types.dtype}")
+    B, S = types.shape
+    m = int(spatial_merge_size)
+    if m < 1 or m != spatial_merge_size:
+        raise ValueError(f"spatial_merge_size must be a positive integer, got {spatial_merge_size!r}")
+    if attention_mask is None:
+        return types, None, m
+    valid = torch.as_tensor(attention_mask, device=types.device)
+    if valid.shape != (B, S):
+        raise ValueError(f"attention_mask must have the shape of mm_token_type_ids {(B, S)}, got {tuple(valid.shape)}")
+    return types, valid.bool(), m
+
+
 def token_layout(
     mm_token_type_ids: Tensor,
     grid_thw: Tensor | None,
@@ -314,30 +335,18 @@ def token_layout(
     table, the raster decomposition); everything per grid row is done on ``R`` values, and for unpacked
     batches the sample of a token is its batch row (no per-token sample index).
     """
-    types = torch.as_tensor(mm_token_type_ids)
-    if types.dim() != 2:
-        raise ValueError(f"mm_token_type_ids must have shape (B, S), got {tuple(types.shape)}")
-    if types.is_floating_point() or types.dtype == torch.bool:
-        raise ValueError(f"mm_token_type_ids must hold integers 0 (text), 1 (image), 2 (video), got {types.dtype}")
+    types, mask, m = _checked_inputs(mm_token_type_ids, attention_mask, spatial_merge_size)
     device = types.device
     B, S = types.shape
     N = B * S
-    m = int(spatial_merge_size)
-    if m < 1 or m != spatial_merge_size:
-        raise ValueError(f"spatial_merge_size must be a positive integer, got {spatial_merge_size!r}")
     flat_types = types.reshape(-1).to(torch.int64)  # (N,)
-    if attention_mask is None:
+    if mask is None:
         valid = torch.ones(B, S, dtype=torch.bool, device=device)
         vision = types != 0  # (B, S)
         valid_len = torch.full((B,), S, dtype=torch.int64, device=device)
         vt = flat_types  # (N,) type of vision tokens, 0 elsewhere
     else:
-        valid = torch.as_tensor(attention_mask, device=device)
-        if valid.shape != (B, S):
-            raise ValueError(
-                f"attention_mask must have the shape of mm_token_type_ids {(B, S)}, got {tuple(valid.shape)}"
-            )
-        valid = valid.bool()
+        valid = mask
         vision = (types != 0) & valid
         valid_len = valid.sum(-1)
         vt = flat_types * vision.reshape(-1)
@@ -483,3 +492,144 @@ def token_layout(
         index=off.reshape(shape), grid=g, unit_grid=g, row_type=row_type, row_last=row_last, frame_last=None,
         valid_len=valid_len, padded=attention_mask is not None, samples=samples, checks=found, coords=coords,
     )
+
+
+# --------------------------------------------------------------------------- fused grid ids (Qwen2-VL MRoPE)
+_CONSTS: dict[tuple, Tensor] = {}
+_BIG = 1 << 62
+#: bounds of the eight quantities :func:`grid_position_ids` checks, in the general path's check order
+_LOWER = (0, -_BIG, 1, -_BIG, 0, -_BIG, 0, 0)
+_UPPER = (_BIG, 2, _BIG, 0, 0, 0, 0, 0)
+
+
+def _const(name: str, device: torch.device) -> Tensor:
+    """Small constant tensors of :func:`grid_position_ids`, kept per device (never copied to it again)."""
+    key = (name, device.type, device.index)
+    if key not in _CONSTS:
+        values = {
+            "zero": [[0]] * 4,  # (4, 1)
+            "this": [[0], [0], [1], [1]],  # (4, 1) weight of a row's own state in its change ...
+            "prev": [[-1], [1], [-1], [-1]],  # ... and of the previous row's
+            "bounds": [_LOWER, _UPPER],  # (2, 8)
+        }[name]
+        _CONSTS[key] = torch.tensor(values, dtype=torch.int64, device=device)
+    return _CONSTS[key]
+
+
+def grid_position_ids(
+    mm_token_type_ids: Tensor,
+    grid_thw: Tensor | None,
+    attention_mask: Tensor | None = None,
+    *,
+    spatial_merge_size: int = 2,
+    temporal_stride: float = 1,
+    spatial_reset: bool = False,
+    pad_position: float = 1,
+    dtype: torch.dtype | None = None,
+    validate: bool = True,
+) -> tuple[Tensor, Tensor] | None:
+    """The ``grid`` design's ``(ids (3, B, S), deltas (B, 1))`` in a few fused passes, or None where it does not
+    apply (no grid rows, a non-integer stride, ``B * S * stride >= 2**23``; packed rows are not taken here) or
+    the inputs fail a check: the caller then takes the general path (:func:`token_layout`, the design, the
+    assembly), which raises the check's ValueError; the ids are the general path's, exactly.
+
+    The general path's quantities, with fewer passes over the tokens (small tensors: the cost is the number
+    of torch ops, so everything per grid row is done on ``R + 1`` values at once):
+
+    1. one int32 buffer ``(4, B*S + 3)`` of per-token increments (slot 0 the initial values, slot ``p + 1``
+       the change after token ``p``): the vision tokens, the text tokens (that advance the position);
+    2. ``searchsorted`` of the rows' vision counts in the ``cumsum`` of the first row gives the slot after
+       every grid row's last token, where the row's change is scattered (``R + 1`` values): the vision count
+       drops by the row's size, the position advances by ``max(T, H, W)``, and the current ``H, W`` change;
+    3. one ``cumsum`` of the buffer then holds, for every token, its raster offset in its block (0 on text),
+       the running position (up to the value at the sample's start) and its block's ``H`` and ``W``;
+    4. ``(tau, i, j)`` from the offset by float32 division (exact: every value is an integer below 2**24).
+
+    With ``validate`` the general path's checks are folded into eight scalars read once: token types in 0..2,
+    merged grids >= 1 with ``H, W`` divisible, the vision token count, no block across a row start (the offset
+    is 0 at every row start), and blocks = runs (exactly R runs of one vision type start, each at offset 0).
+    """
+    try:
+        stride = float(temporal_stride)
+    except (TypeError, ValueError):
+        return None
+    if not (math.isfinite(stride) and stride > 0 and stride.is_integer()):
+        return None
+    stride = int(stride)
+    types, valid, m = _checked_inputs(mm_token_type_ids, attention_mask, spatial_merge_size)
+    device = types.device
+    B, S = types.shape
+    N = B * S
+    grid = _as_grid(grid_thw, device)
+    R = grid.shape[0]
+    if R == 0 or N == 0 or N * stride >= 1 << 23:
+        return None
+    div = merge_divisor(m, device)
+    g = torch.cat([grid, div.view(1, 3)]) // div  # (R + 1, 3) merged grids, and a virtual (1, 1, 1) row after them
+    n = g.prod(-1)  # (R + 1,) tokens per row
+    if stride == 1:
+        adv = g.amax(-1)  # max(T - 1, H - 1, W - 1) + 1
+    else:
+        adv = torch.maximum(torch.maximum((g[:, 0] - 1) * stride, g[:, 1] - 1), g[:, 2] - 1) + 1
+    start = n.cumsum(0) - n  # (R + 1,) vision tokens before each row (start[R]: all of them)
+    state = torch.stack([n, adv, g[:, 1], g[:, 2]])  # (4, R + 1)
+    before = torch.cat([_const("zero", device), state[:, :R]], dim=1)  # the previous row's (none for row 0)
+    change = torch.addcmul(state * _const("this", device), before, _const("prev", device)).to(torch.int32)
+    # change[:, r]: entering row r: vision count -n[r - 1], position +adv[r - 1], H and W of row r
+
+    flat = types.reshape(-1)
+    vis = types.bool() if valid is None else types.bool() & valid  # (B, S) vision tokens
+    flat_vis = vis.view(-1)
+    buf = torch.zeros(4, N + 3, dtype=torch.int32, device=device)
+    buf[0, 1 : N + 1] = flat_vis
+    if valid is None:  # text advances the position by one
+        torch.logical_not(flat_vis, out=buf[1, 1 : N + 1])
+    else:
+        torch.logical_xor(valid.view(-1), flat_vis, out=buf[1, 1 : N + 1])
+    cnt = buf[0, : N + 2].cumsum(0)  # (N + 2,) vision tokens before each slot
+    slots = torch.searchsorted(cnt, start)  # (R + 1,) slot 0, then the slot after each row's last token (N + 2: none)
+    buf.scatter_add_(1, slots.expand(4, -1), change)
+    acc = buf.cumsum(1, dtype=torch.int32)  # (4, N + 3): token p's values at column p, the end at column N
+    off, pos, H, W = acc.float()[:, : N + 1]  # offset in the block, position + the sample start's, H, W
+
+    coords = torch.empty(3, N + 1, dtype=torch.float32, device=device)
+    tau, i, j = coords.unbind(0)
+    torch.div(off, W, out=i).floor_()  # the block's line: tau * H + i
+    torch.addcmul(off, i, W, value=-1, out=j)
+    torch.div(i, H, out=tau).floor_()
+    torch.addcmul(i, tau, H, value=-1, out=i)
+    if stride != 1:
+        tau.mul_(stride)
+    at_start = pos[::S]  # (B + 1,) at every row start, and after the last token
+    running = pos[:N].view(B, S) - at_start[:B, None]
+    ids = coords[:, :N].view(3, B, S)
+    if spatial_reset:  # h, w local to the block; text carries the running position on every axis
+        ids[0].add_(running)
+        torch.where(vis, ids[1:], running, out=ids[1:])
+    else:
+        ids = ids + running
+    deltas = at_start.diff() - (S if valid is None else valid.sum(-1))  # (B,)
+
+    if validate:
+        lo, hi = torch.aminmax(types)
+        vt = flat if valid is None else flat * flat_vis
+        starts = torch.empty(N + 1, dtype=torch.bool, device=device)  # a run of one vision type starts here
+        torch.ne(vt[1:], vt[:-1], out=starts[1:N])
+        starts[::S] = True  # at every row start
+        run = starts[:N] & flat_vis
+        found = torch.stack([
+            lo, hi,  # token types in 0 .. 2
+            g.amin(), torch.remainder(grid, div).amax(),  # merged grids >= 1, H and W divisible by m
+            cnt[-1] - start[-1],  # vision tokens = sum of T (H / m) (W / m)
+            acc[0, :N:S].amax(),  # no block spans a row start: the offset there is 0
+            run.sum() - R, (run * acc[0, :N]).sum(),  # blocks = runs: R runs of one type, each at offset 0
+        ])
+        bounds = _const("bounds", device)
+        if not torch.equal(found.clamp(bounds[0], bounds[1]), found):
+            return None  # the general path raises the ValueError of the first failing check
+    work = torch.float64 if (dtype is not None and dtype.is_floating_point) else torch.int64
+    dtype = torch.int64 if dtype is None else dtype
+    ids = ids.to(work) if work == torch.float64 else ids.to(torch.int32).to(torch.int64)
+    if valid is not None:
+        ids.masked_fill_(~valid, pad_position)
+    return ids.to(dtype), deltas.view(B, 1).to(dtype)  # integers below 2**24: exact in every dtype
