@@ -495,24 +495,21 @@ def token_layout(
 
 
 # --------------------------------------------------------------------------- fused grid ids (Qwen2-VL MRoPE)
-_CONSTS: dict[tuple, Tensor] = {}
+_CONSTS: dict[tuple, tuple[Tensor, ...]] = {}
 _BIG = 1 << 62
 #: bounds of the eight quantities :func:`grid_position_ids` checks, in the general path's check order
 _LOWER = (0, -_BIG, 1, -_BIG, 0, -_BIG, 0, 0)
 _UPPER = (_BIG, 2, _BIG, 0, 0, 0, 0, 0)
 
 
-def _const(name: str, device: torch.device) -> Tensor:
-    """Small constant tensors of :func:`grid_position_ids`, kept per device (never copied to it again)."""
-    key = (name, device.type, device.index)
+def _consts(device: torch.device) -> tuple[Tensor, ...]:
+    """The small constant tensors of :func:`grid_position_ids`, kept per device (never copied to it again):
+    ``(4, 1)`` zeros, the ``(4, 1)`` weights of a row's own state and of the previous row's in its change, and
+    the ``(8,)`` lower and upper bounds of the checked quantities."""
+    key = (device.type, device.index)
     if key not in _CONSTS:
-        values = {
-            "zero": [[0]] * 4,  # (4, 1)
-            "this": [[0], [0], [1], [1]],  # (4, 1) weight of a row's own state in its change ...
-            "prev": [[-1], [1], [-1], [-1]],  # ... and of the previous row's
-            "bounds": [_LOWER, _UPPER],  # (2, 8)
-        }[name]
-        _CONSTS[key] = torch.tensor(values, dtype=torch.int64, device=device)
+        rows = ([[0]] * 4, [[0], [1], [1], [0]], [[1], [-1], [-1], [-1]], _LOWER, _UPPER)
+        _CONSTS[key] = tuple(torch.tensor(r, dtype=torch.int64, device=device) for r in rows)
     return _CONSTS[key]
 
 
@@ -564,72 +561,81 @@ def grid_position_ids(
     R = grid.shape[0]
     if R == 0 or N == 0 or N * stride >= 1 << 23:
         return None
+    # (tensor indexing costs more than the small ops here: views are taken by narrow / select / unbind)
+    zero, this, prev, lower, upper = _consts(device)
     div = merge_divisor(m, device)
-    g = torch.cat([grid, div.view(1, 3)]) // div  # (R + 1, 3) merged grids, and a virtual (1, 1, 1) row after them
+    g = torch.floor_divide(torch.cat([grid, div.view(1, 3)]), div)  # (R + 1, 3) merged, a virtual (1, 1, 1) row last
+    gT, gH, gW = g.unbind(1)
     n = g.prod(-1)  # (R + 1,) tokens per row
     if stride == 1:
         adv = g.amax(-1)  # max(T - 1, H - 1, W - 1) + 1
     else:
-        adv = torch.maximum(torch.maximum((g[:, 0] - 1) * stride, g[:, 1] - 1), g[:, 2] - 1) + 1
+        adv = torch.maximum(torch.maximum((gT - 1) * stride, gH - 1), gW - 1) + 1
     start = n.cumsum(0) - n  # (R + 1,) vision tokens before each row (start[R]: all of them)
-    state = torch.stack([n, adv, g[:, 1], g[:, 2]])  # (4, R + 1)
-    before = torch.cat([_const("zero", device), state[:, :R]], dim=1)  # the previous row's (none for row 0)
-    change = torch.addcmul(state * _const("this", device), before, _const("prev", device)).to(torch.int32)
-    # change[:, r]: entering row r: vision count -n[r - 1], position +adv[r - 1], H and W of row r
+    # buffer rows: 0 position, 1 W, 2 H, 3 offset; change[:, r] = entering row r: position +adv[r - 1], the
+    # W and H of row r, offset -n[r - 1] (the vision tokens of row r - 1 are done)
+    state = torch.stack([adv, gW, gH, n])  # (4, R + 1)
+    before = torch.cat([zero, state.narrow(1, 0, R)], dim=1)  # the previous row's (none for row 0)
+    change = torch.addcmul(state * this, before, prev).to(torch.int32)
 
     flat = types.reshape(-1)
     vis = types.bool() if valid is None else types.bool() & valid  # (B, S) vision tokens
     flat_vis = vis.view(-1)
     buf = torch.zeros(4, N + 3, dtype=torch.int32, device=device)
-    buf[0, 1 : N + 1] = flat_vis
+    b_pos, _, _, b_off = buf.unbind(0)
     if valid is None:  # text advances the position by one
-        torch.logical_not(flat_vis, out=buf[1, 1 : N + 1])
+        torch.logical_not(flat_vis, out=b_pos.narrow(0, 1, N))
     else:
-        torch.logical_xor(valid.view(-1), flat_vis, out=buf[1, 1 : N + 1])
-    cnt = buf[0, : N + 2].cumsum(0)  # (N + 2,) vision tokens before each slot
+        torch.logical_xor(valid.view(-1), flat_vis, out=b_pos.narrow(0, 1, N))
+    b_off.narrow(0, 1, N).copy_(flat_vis)
+    cnt = b_off.narrow(0, 0, N + 2).cumsum(0)  # (N + 2,) vision tokens before each slot
     slots = torch.searchsorted(cnt, start)  # (R + 1,) slot 0, then the slot after each row's last token (N + 2: none)
     buf.scatter_add_(1, slots.expand(4, -1), change)
-    acc = buf.cumsum(1, dtype=torch.int32)  # (4, N + 3): token p's values at column p, the end at column N
-    off, pos, H, W = acc.float()[:, : N + 1]  # offset in the block, position + the sample start's, H, W
-
-    coords = torch.empty(3, N + 1, dtype=torch.float32, device=device)
-    tau, i, j = coords.unbind(0)
-    torch.div(off, W, out=i).floor_()  # the block's line: tau * H + i
-    torch.addcmul(off, i, W, value=-1, out=j)
-    torch.div(i, H, out=tau).floor_()
-    torch.addcmul(i, tau, H, value=-1, out=i)
-    if stride != 1:
-        tau.mul_(stride)
-    at_start = pos[::S]  # (B + 1,) at every row start, and after the last token
-    running = pos[:N].view(B, S) - at_start[:B, None]
-    ids = coords[:, :N].view(3, B, S)
-    if spatial_reset:  # h, w local to the block; text carries the running position on every axis
-        ids[0].add_(running)
-        torch.where(vis, ids[1:], running, out=ids[1:])
-    else:
-        ids = ids + running
-    deltas = at_start.diff() - (S if valid is None else valid.sum(-1))  # (B,)
+    acc = buf.cumsum_(1)  # (4, N + 3) in place: token p's values at column p, the end at column N
 
     if validate:
         lo, hi = torch.aminmax(types)
         vt = flat if valid is None else flat * flat_vis
-        starts = torch.empty(N + 1, dtype=torch.bool, device=device)  # a run of one vision type starts here
-        torch.ne(vt[1:], vt[:-1], out=starts[1:N])
-        starts[::S] = True  # at every row start
-        run = starts[:N] & flat_vis
+        starts = torch.empty(N, dtype=torch.bool, device=device)  # a run of one vision type starts here
+        torch.ne(vt.narrow(0, 1, N - 1), vt.narrow(0, 0, N - 1), out=starts.narrow(0, 1, N - 1))
+        starts.as_strided((B,), (S,)).fill_(True)  # at every row start
+        run = starts & flat_vis
+        off = b_off.narrow(0, 0, N)  # (acc's row 3)
         found = torch.stack([
             lo, hi,  # token types in 0 .. 2
             g.amin(), torch.remainder(grid, div).amax(),  # merged grids >= 1, H and W divisible by m
-            cnt[-1] - start[-1],  # vision tokens = sum of T (H / m) (W / m)
-            acc[0, :N:S].amax(),  # no block spans a row start: the offset there is 0
-            run.sum() - R, (run * acc[0, :N]).sum(),  # blocks = runs: R runs of one type, each at offset 0
+            cnt.select(0, N + 1) - start.select(0, R),  # vision tokens = sum of T (H / m) (W / m)
+            acc.as_strided((B,), (S,), 3 * (N + 3)).amax(),  # no block spans a row start: the offset there is 0
+            run.sum() - R, (run * off).sum(),  # blocks = runs: R runs of one type, each at offset 0
         ])
-        bounds = _const("bounds", device)
-        if not torch.equal(found.clamp(bounds[0], bounds[1]), found):
+        if not torch.equal(found.clamp(lower, upper), found):
             return None  # the general path raises the ValueError of the first failing check
+
+    accf = acc.float()
+    pos, W, H, off = accf.narrow(1, 0, N + 1).unbind(0)  # position + the sample start's, W, H, offset in the block
+    line = torch.div(off, W).floor_()  # the block's line: tau * H + i
+    torch.addcmul(off, line, W, value=-1, out=off)  # j (over the offset)
+    torch.div(line, H, out=W).floor_()  # tau (over W)
+    torch.addcmul(line, W, H, value=-1, out=H)  # i (over H)
+    coords = accf.narrow(0, 1, 3).narrow(1, 0, N).view(3, B, S)  # (tau, i, j)
+    if stride != 1:
+        W.mul_(stride)
+    at_start = accf.as_strided((B + 1,), (S,))  # (B + 1,) position at every row start, and after the last token
+    running = pos.narrow(0, 0, N).view(B, S) - at_start.narrow(0, 0, B).view(B, 1)
+    if spatial_reset:  # h, w local to the block; text carries the running position on every axis
+        coords.select(0, 0).add_(running)
+        torch.where(vis, coords.narrow(0, 1, 2), running, out=coords.narrow(0, 1, 2))
+    else:
+        coords.add_(running)
+    deltas = at_start.diff() - (S if valid is None else valid.sum(-1))  # (B,)
     work = torch.float64 if (dtype is not None and dtype.is_floating_point) else torch.int64
     dtype = torch.int64 if dtype is None else dtype
-    ids = ids.to(work) if work == torch.float64 else ids.to(torch.int32).to(torch.int64)
+    if work == torch.float64:
+        ids = coords.to(work)
+    else:  # float32 -> int32 (into the spent buffer) -> int64: cheaper than one float32 -> int64 pass
+        ints = acc.narrow(0, 1, 3).narrow(1, 0, N).view(3, B, S)
+        ints.copy_(coords)
+        ids = ints.to(torch.int64)
     if valid is not None:
         ids.masked_fill_(~valid, pad_position)
     return ids.to(dtype), deltas.view(B, 1).to(dtype)  # integers below 2**24: exact in every dtype

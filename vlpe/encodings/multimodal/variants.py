@@ -407,16 +407,19 @@ def merge_grids(
     if len(given) == 1:  # one modality: its rows are already in order of appearance (nothing to count)
         kind, g = given[0]
         return g, torch.full((g.shape[0],), kind, dtype=torch.int64, device=device)
-    grids, firsts = [], []
-    divisor = merge_divisor(m, device)  # [1, m, m]
-    for kind, g in given:
-        n = (g // divisor).prod(-1)  # (R,) tokens per row: T (H / m) (W / m)
-        cnt = (flat == kind).cumsum(0)  # (B*S,) tokens of it so far (a scalar compare: no broadcast pass)
-        first = torch.searchsorted(cnt, n.cumsum(0) - n, right=True)  # (R,) flat index of each row's first token
-        firsts.append(first)
-        grids.append(g)
-    order = torch.cat(firsts).argsort(stable=True)  # (R,) image rows first on ties, as they are listed first
-    return torch.cat(grids).index_select(0, order), 1 + (order >= grids[0].shape[0]).long()
+    (_, images), (_, videos) = given  # images first, as Hugging Face lists them
+    Ri = images.shape[0]
+    grids = torch.cat([images, videos])  # (R, 3)
+    n = torch.floor_divide(grids, merge_divisor(m, device)).prod(-1)  # (R,) tokens per row: T (H / m) (W / m)
+    ends = n.cumsum(0)
+    starts = ends - n  # (R,) tokens of the row's modality before it (videos: less all the image tokens)
+    starts[Ri:] -= ends[Ri - 1]
+    first = torch.cat([  # (R,) flat index of each row's first token, by counting the tokens of its modality
+        torch.searchsorted((flat == kind).cumsum(0), starts[lo:hi], right=True)
+        for kind, lo, hi in ((1, 0, Ri), (2, Ri, None))
+    ])
+    order = first.argsort(stable=True)  # (R,) image rows first on ties, as they are listed first
+    return grids.index_select(0, order), (order >= Ri) + 1
 
 
 def pype_attention_mask(
