@@ -10,7 +10,7 @@ from torch import Tensor
 
 from .allocations import ALLOCATIONS
 from .designs import DESIGNS, assemble, get_design
-from .layout import merge_divisor, packed_samples, token_layout
+from .layout import grid_position_ids, merge_divisor, packed_samples, token_layout
 
 __all__ = [
     "Variant",
@@ -216,6 +216,14 @@ def position_ids(
     v = get_variant(variant)
     design = get_design(v.design)
     opts = design.options({**v.design_options, **options})
+    if cu_seqlens is None and design.name in ("grid", "spatial_reset"):  # Qwen2-VL MRoPE: the fused path
+        fused = grid_position_ids(
+            mm_token_type_ids, grid_thw, attention_mask, spatial_merge_size=spatial_merge_size,
+            temporal_stride=opts["temporal_stride"], spatial_reset=opts["spatial_reset"],
+            pad_position=pad_position, dtype=dtype, validate=validate,
+        )
+        if fused is not None:
+            return fused
     layout = token_layout(
         mm_token_type_ids, grid_thw, attention_mask, spatial_merge_size=spatial_merge_size,
         split_frames=design.split_frames, cu_seqlens=cu_seqlens, checks=validate,
@@ -299,23 +307,24 @@ def merge_grids(
     given = [(kind, torch.as_tensor(g, device=device).to(torch.int64).reshape(-1, 3))
              for kind, g in ((1, image_grid_thw), (2, video_grid_thw)) if g is not None]  # two modalities
     given = [(kind, g) for kind, g in given if g.shape[0]]
-    if len(given) == 2:  # both modalities counted by one cumsum over (2, B*S)
-        counts = (flat.unsqueeze(0) == torch.arange(1, 3, device=device).unsqueeze(1)).cumsum(-1)
-    grids, firsts, kinds = [], [], []
-    divisor = merge_divisor(m, device)  # [1, m, m]
-    for kind, g in given:
-        n = (g // divisor).prod(-1)  # (R,) tokens per row: T (H / m) (W / m)
-        cnt = counts[kind - 1] if len(given) == 2 else (flat == kind).cumsum(0)  # (B*S,) tokens of it so far
-        first = torch.searchsorted(cnt, n.cumsum(0) - n, right=True)  # (R,) flat index of each row's first token
-        firsts.append(first)
-        grids.append(g)
-        kinds.append(kind)
-    if not grids:
+    if not given:
         return torch.zeros(0, 3, dtype=torch.int64, device=device), torch.zeros(0, dtype=torch.int64, device=device)
-    if len(grids) == 1:  # one modality: its rows are already in order of appearance (non-decreasing firsts)
-        return grids[0], torch.full((grids[0].shape[0],), kinds[0], dtype=torch.int64, device=device)
-    order = torch.cat(firsts).argsort(stable=True)  # (R,) image rows first on ties, as they are listed first
-    return torch.cat(grids).index_select(0, order), 1 + (order >= grids[0].shape[0]).long()
+    if len(given) == 1:  # one modality: its rows are already in order of appearance (nothing to count)
+        kind, g = given[0]
+        return g, torch.full((g.shape[0],), kind, dtype=torch.int64, device=device)
+    (_, images), (_, videos) = given  # images first, as Hugging Face lists them
+    Ri = images.shape[0]
+    grids = torch.cat([images, videos])  # (R, 3)
+    n = torch.floor_divide(grids, merge_divisor(m, device)).prod(-1)  # (R,) tokens per row: T (H / m) (W / m)
+    ends = n.cumsum(0)
+    starts = ends - n  # (R,) tokens of the row's modality before it (videos: less all the image tokens)
+    starts[Ri:] -= ends[Ri - 1]
+    first = torch.cat([  # (R,) flat index of each row's first token, by counting the tokens of its modality
+        torch.searchsorted((flat == kind).cumsum(0), starts[lo:hi], right=True)
+        for kind, lo, hi in ((1, 0, Ri), (2, Ri, None))
+    ])
+    order = first.argsort(stable=True)  # (R,) image rows first on ties, as they are listed first
+    return grids.index_select(0, order), (order >= Ri) + 1
 
 
 def pype_attention_mask(
