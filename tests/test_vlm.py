@@ -31,7 +31,8 @@ pytest.importorskip("transformers")
 from data.text import build_tokenizer  # noqa: E402
 from data.vlm_collate import patchify  # noqa: E402
 from data.vniah import VNIAH, vocabulary  # noqa: E402
-from models.vlm import VLM, _layout, answer_accuracy, pack_position_ids, vlm  # noqa: E402
+from models.vision_tower import _layout  # noqa: E402
+from models.vlm import VLM, answer_accuracy, pack_position_ids, vlm  # noqa: E402
 from vlpe.encodings import multimodal as mm  # noqa: E402
 from vlpe.integrations import transformers as vhf  # noqa: E402
 
