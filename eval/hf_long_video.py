@@ -162,11 +162,8 @@ def evaluate_hf(
     docstring); a JSON-ready dict in the layout of :func:`long_video.evaluate_run` (scoring ``choice``), plus
     ``max_position`` (per length: the largest position id of the first sample's prompt, per axis) and
     ``logliks`` (every sample's option scores)."""
-    import sys
-
     from tqdm import tqdm
 
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
     from common import pick_device
     from long_video import DEFAULT_DEPTHS, summarize
     from stats import pack_bits

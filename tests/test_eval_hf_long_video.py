@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import json
 import re
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -28,9 +27,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "eval"))
-
-import hf_long_video  # noqa: E402
+import hf_long_video  # noqa: E402  (eval/ is on pytest's pythonpath)
 import long_video  # noqa: E402
 
 from data.vniah import PHOTO_NEEDLES, QUESTIONS  # noqa: E402

@@ -20,7 +20,7 @@ pytest.importorskip("tensorboard")
 def test_tensorboard_events_equal_the_jsonl_and_the_weights_path_is_printed(launch, tmp_path):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    from train.engine import _free_port
+    from train.launch import _free_port
 
     out = tmp_path / "run"
     ds = tmp_path / "ds_config.json"
