@@ -19,7 +19,7 @@ import torch
 
 import vlpe
 from vlpe.encodings import get
-from vlpe.testing import examples, grid_positions
+from vlpe.testing import examples, grid_positions, randomize_parameters
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = [(label, enc) for name in vlpe.encodings.available() for label, enc in examples(name)]
@@ -47,13 +47,7 @@ def contract_attention(enc, ctx, layer, q, k, v):
 
 
 def _randomise(enc, seed=0):
-    """Non-trivial parameters (zero-initialised tables would hide a missing term)."""
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in enc.parameters():
-            if p.is_floating_point():
-                p.copy_(torch.randn(p.shape, generator=g, dtype=torch.float64).to(p.dtype) * 0.3)
-    return enc
+    return randomize_parameters(enc, seed=seed)
 
 
 def _padded(enc, batch=2):

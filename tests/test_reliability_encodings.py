@@ -10,7 +10,7 @@ import vlpe
 from vlpe import Positions, attention_logits
 from vlpe.attention import Attention, attend
 from vlpe.encodings import build, get
-from vlpe.testing import PropertyFailure, check_fp32_angles
+from vlpe.testing import PropertyFailure, check_fp32_angles, randomize_parameters
 
 
 def _build(name, **extra):
@@ -18,13 +18,7 @@ def _build(name, **extra):
 
 
 def _randomise(enc, seed=0):
-    """Every floating parameter drawn at random: zero-initialised per-layer tables become distinguishable."""
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in enc.parameters():
-            if p.is_floating_point():
-                p.copy_(torch.randn(p.shape, generator=g, dtype=torch.float64).to(p.dtype) * 0.3)
-    return enc
+    return randomize_parameters(enc, seed=seed)
 
 
 def _grid(enc):
@@ -320,3 +314,11 @@ def test_point_tokenizer_rejects_clouds_without_points():
     valid[1] = False
     with pytest.raises(ValueError, match=r"cloud 1.*no real points|no real points.*cloud 1"):
         tok(torch.randn(2, 16, 3), valid=valid)
+
+
+def test_randomize_parameters_draws_every_float_parameter_deterministically():
+    enc = build("irpe", dim=32, num_heads=4)
+    a = [p.detach().clone() for p in randomize_parameters(enc, seed=3).parameters() if p.is_floating_point()]
+    g = torch.Generator().manual_seed(3)  # the documented draw, written out
+    want = [torch.randn(p.shape, generator=g, dtype=torch.float64).float() * 0.3 for p in a]
+    assert a and all(torch.equal(x, y) for x, y in zip(a, want))

@@ -39,6 +39,7 @@ __all__ = [
     "probe",
     "effects",
     "random_qk",
+    "randomize_parameters",
     "sample_positions",
     "grid_positions",
 ]
@@ -97,6 +98,17 @@ def sample_positions(enc: Encoding, n: int = 24, *, seed: int = 0, scale: float 
     """Continuous random coordinates (no grid, no prefix)."""
     g = torch.Generator().manual_seed(seed)
     return Positions(torch.randn(1, n, enc.num_axes, generator=g, dtype=torch.float64).float() * scale)
+
+
+def randomize_parameters(enc: Encoding, *, seed: int = 0, scale: float = 0.3) -> Encoding:
+    """Every floating parameter of ``enc`` drawn from ``N(0, scale^2)`` in place (and ``enc`` returned), so that
+    zero-initialised tables and per-layer terms become visible to a check; deterministic in ``seed``."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in enc.parameters():
+            if p.is_floating_point():
+                p.copy_(torch.randn(p.shape, generator=g, dtype=torch.float64).to(p.dtype) * scale)
+    return enc
 
 
 def random_qk(enc: Encoding, n: int, *, batch: int = 1, seed: int = 0, dtype=torch.float32) -> tuple[Tensor, Tensor]:
