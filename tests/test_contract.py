@@ -173,3 +173,21 @@ def test_positions_validate_is_explicit():
         pos.validate()
     assert vlpe.Positions.grid(2, 2, prefix=1).validate().num_tokens == 5
     assert get("rpe2d").bases() and "irpe" not in get("rpe2d").bases()
+
+
+def test_no_encoding_name_is_compared_outside_the_encodings():
+    """Presence as data: library code outside ``vlpe/encodings/`` never branches on an encoding's name."""
+    names = set(vlpe.encodings.available())
+    root = Path(vlpe.__file__).resolve().parent
+    found = []
+    for path in root.rglob("*.py"):
+        if "encodings" in path.relative_to(root).parts:
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Compare):
+                for side in [node.left, *node.comparators]:  # `x == "ape"`, `name in ("rope", ...)`
+                    consts = side.elts if isinstance(side, (ast.Tuple, ast.List, ast.Set)) else [side]
+                    for c in consts:
+                        if isinstance(c, ast.Constant) and c.value in names:
+                            found.append(f"{path.relative_to(root)}:{node.lineno} {c.value!r}")
+    assert not found, found

@@ -74,6 +74,7 @@ class LearnedAPE(AdditiveEmbedding):
 
     claims = frozenset({"neutral"})
     resampling = "rows"  # RPE-2D samples rows of the table (its grid_size is the expanded range)
+    absolute_table = "pos_embed"  # a timm ViT's pos_embed initialises it (vlpe.integrations.timm.convert)
     supported_axes = (2, 3)
     needs_grid = True
 

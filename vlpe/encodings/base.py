@@ -178,6 +178,9 @@ class Encoding(nn.Module):
     resampling: ClassVar[str | None] = None
     #: reads ``spec.num_kv_heads`` (grouped-query decoders); ``build`` rejects the option for the others
     takes_kv_heads: ClassVar[bool] = False
+    #: the attribute holding a learned absolute table ``(prefix + prod(grid), C)`` that a pretrained ViT's
+    #: ``pos_embed`` may initialise (its constructor then takes ``prefix``); None: no such table
+    absolute_table: ClassVar[str | None] = None
 
     def __init__(self, *, spec: EncodingSpec) -> None:
         super().__init__()
