@@ -10,7 +10,8 @@ from torch import Tensor
 
 from .allocations import ALLOCATIONS
 from .designs import DESIGNS, assemble, get_design
-from .layout import grid_position_ids, merge_divisor, packed_samples, token_layout
+from .grid_ids import grid_position_ids
+from .layout import merge_divisor, packed_samples, token_layout
 
 __all__ = [
     "Variant",
