@@ -72,12 +72,12 @@ def test_script_next_to_a_checkout_named_vlpe_imports_the_library(tmp_path):
     # without the path entry the folder shadows the library: a namespace package with no attributes
     if not any((Path(d) / "vlpe" / "__init__.py").is_file() for d in deps):  # (a regular install would win)
         before = subprocess.run([str(py), "script.py"], cwd=work, env=_env(), capture_output=True, text=True,
-                                timeout=300)  # fmt: skip
+                                timeout=900)  # fmt: skip
         assert before.returncode != 0 and "vlpe" in before.stderr
     link = subprocess.run([str(py), str(ROOT / "scripts" / "link_checkout.py")], env=_env(), capture_output=True,
                           text=True, timeout=60)  # fmt: skip
     assert link.returncode == 0 and "vlpe-checkout.pth" in link.stdout, link.stdout + link.stderr
-    r = subprocess.run([str(py), "script.py"], cwd=work, env=_env(), capture_output=True, text=True, timeout=300)
+    r = subprocess.run([str(py), "script.py"], cwd=work, env=_env(), capture_output=True, text=True, timeout=900)
     assert r.returncode == 0, r.stdout + r.stderr[-3000:]
     lib, enc, count = r.stdout.splitlines()[:3]
     assert Path(lib) == ROOT / "vlpe" / "__init__.py"
