@@ -17,7 +17,7 @@ What it does, with progress bars throughout:
 3. evaluates the ViTs with the same weights at up to 4.57x the training resolution (``eval/resolution.py``, the
    LookHere ratios) and the VLM on V-NIAH and V-NIAH-D up to 32x its training length (``eval/long_video.py``),
    printing the tables and saving the plots;
-4. runs the encoding property table and attention plots (``python -m vlpe.demo``).
+4. runs the encoding property table and attention plots (``eval/properties.py``).
 
 Everything goes to ``--out`` (default ``outputs/demo``): ``runs/`` (the trained runs), ``resolution/``
 (``resolution.md/.json/.png``), ``long_video/`` (``long_video.md/.json``, ``heatmap_<run>.png``),
@@ -40,7 +40,6 @@ from pathlib import Path
 from typing import Any, Sequence
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 __all__ = ["main", "train_vits", "train_vlm", "run_finished"]
 
@@ -203,7 +202,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--vit-override", nargs="*", default=[], metavar="KEY=VALUE", help="extra ViT config overrides")
     p.add_argument("--vlm-override", nargs="*", default=[], metavar="KEY=VALUE", help="extra VLM config overrides")
     p.add_argument("--no-vlm", action="store_true", help="skip the VLM (training and V-NIAH)")
-    p.add_argument("--no-properties", action="store_true", help="skip `python -m vlpe.demo`")
+    p.add_argument("--no-properties", action="store_true", help="skip eval/properties.py")
     p.add_argument("--fresh", action="store_true", help="retrain and re-evaluate everything")
     p.add_argument("--no-progress", action="store_true")
     args = p.parse_args(argv)
@@ -279,10 +278,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         phase("eval_long_video", t0)
 
     if not args.no_properties:
-        print("[demo] 4/4 encoding properties and attention plots (python -m vlpe.demo)", flush=True)
+        print("[demo] 4/4 encoding properties and attention plots (eval/properties.py)", flush=True)
         t0 = time.perf_counter()
-        rc = subprocess.run([sys.executable, "-m", "vlpe.demo", "--out", str(out / "properties")], cwd=ROOT,
-                            env=_env(cores)).returncode  # fmt: skip
+        cmd = [sys.executable, str(ROOT / "eval" / "properties.py"), "--out", str(out / "properties")]
+        rc = subprocess.run(cmd, cwd=ROOT, env=_env(cores)).returncode
         phase("properties", t0)
         if rc != 0:
             print("[demo] the property table reported failures (see above)", file=sys.stderr)

@@ -2,6 +2,7 @@
 
     python eval/long_video.py --run runs/vlm_mrope_i --run runs/vlm_videorope
     python eval/long_video.py --run runs/vlm_mrope_i --lengths 4 8 16 32 64 128 --samples 10 --out outputs/long_video
+    python eval/long_video.py --hf-model path/to/Qwen2-VL-2B-Instruct --variant mrope mrope_i --haystack my.mp4
 
 The protocol of LongVA's V-NIAH and VideoRoPE's V-NIAH-D (benchmarks-and-data.md A2, C3), on the small frames of
 :mod:`data.vniah`: for every video length ``L`` (frames) and needle depth ``d`` the needle frame sits at frame
@@ -28,17 +29,17 @@ heatmap per run (``heatmap_<run>.png``: depth x length, one panel per task and s
 from __future__ import annotations
 
 import argparse
-import math
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import fmt, markdown_table, pick_device, write_json  # noqa: E402
-from stats import pack_bits  # noqa: E402
+from common import pick_device
+from long_video_report import REPORT_SCORINGS, TASKS, heatmap, markdown, summarize, write_report  # noqa: F401
+from stats import pack_bits
+
+import hf_long_video  # noqa: E402
 
 __all__ = [
     "TASKS",
@@ -56,7 +57,7 @@ __all__ = [
     "main",
 ]
 
-TASKS = ("v_niah", "v_niah_d")
+# TASKS (v_niah, v_niah_d) and the report names of the scorings: long_video_report.py
 SCALINGS = ("linear", "ntk", "yarn")  # training-free time scaling beyond the training length (--scaling)
 SCORINGS = ("teacher", "generate")
 DEFAULT_DEPTHS = (0.0, 0.2, 0.4, 0.6, 0.8, 1.0)  # LongVA / HoPE: depth step 0.2
@@ -184,26 +185,6 @@ def score_batch(model, tokenizer, samples: Sequence[dict], device: torch.device,
 
 def _cell_mean(values: list[bool]) -> float:
     return sum(values) / len(values) if values else float("nan")
-
-
-def _mean(xs: Sequence[float]) -> float | None:
-    xs = [x for x in xs if x is not None and not math.isnan(x)]
-    return sum(xs) / len(xs) if xs else None
-
-
-def summarize(grid: list[list[float]], lengths: Sequence[int], train_frames: int) -> dict[str, Any]:
-    """Means of a depth x length grid: overall, per length, in-distribution (<= training length), extrapolated."""
-    per_length = [_mean([row[j] for row in grid]) for j in range(len(lengths))]
-    ind = [a for L, a in zip(lengths, per_length) if L <= train_frames]
-    ext = [a for L, a in zip(lengths, per_length) if L > train_frames]
-    return {
-        "grid": grid,
-        "per_length": per_length,
-        "per_depth": [_mean(row) for row in grid],
-        "mean": _mean(per_length),
-        "in_distribution": _mean(ind),
-        "extrapolated": _mean(ext),
-    }
 
 
 def _time_extents(model, cfg, lengths: Sequence[int]) -> dict[int, float]:
@@ -341,112 +322,46 @@ def evaluate_run(
     }
 
 
-# ------------------------------------------------------------------------------------------------------------
-# report
-# ------------------------------------------------------------------------------------------------------------
-
-
-def markdown(evals: Sequence[dict]) -> str:
-    """Per task and scoring: accuracy per length (mean over depths), in-distribution vs extrapolated."""
-    out = ["# Long-video retrieval (V-NIAH / V-NIAH-D)\n\n",
-           "Exact-match accuracy (%), mean over depths per length; in-distribution = lengths up to the training "
-           "length, extrapolated = longer. Same weights, no fine-tuning.\n"]  # fmt: skip
-    first = evals[0]
-    lengths = sorted({L for ev in evals for L in ev["lengths"]})  # the union: runs may differ
-    for t in first["tasks"]:
-        for s in (s for s in SCORINGS if s in first["tasks"][t]):
-            head = ["run", "variant", "train frames"] + [f"{L} fr" for L in lengths]
-            head += ["mean", "in-dist", "extrap"]
-            rows = []
-            for ev in evals:
-                r = ev["tasks"][t][s]
-                acc = dict(zip(ev["lengths"], r["per_length"]))
-                rows.append([ev["name"], ev["variant"], ev["train_frames"], *(fmt(acc.get(L)) for L in lengths),
-                             fmt(r["mean"]), fmt(r["in_distribution"]), fmt(r["extrapolated"])])  # fmt: skip
-            label = {"teacher": "teacher-forced", "generate": "greedy generation"}[s]
-            out += [f"\n## {t.replace('_', '-').upper()}, {label}\n\n", markdown_table(head, rows)]
-        if "agreement" in first["tasks"][t]:
-            agree = ", ".join(f"{ev['name']} {fmt(ev['tasks'][t]['agreement'])}" for ev in evals)
-            out.append(f"\nAgreement of the two scorings on {t.replace('_', '-').upper()} (% of samples): {agree}.\n")
-    return "".join(out)
-
-
-def heatmap(ev: dict, path: Path, *, title: str | None = None) -> Path:
-    """Depth x length heatmaps of one evaluation: one panel per (task, scoring); a dashed line marks the
-    training length."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    panels = [(t, s) for t in ev["tasks"] for s in SCORINGS if s in ev["tasks"][t]]
-    fig, axes = plt.subplots(1, len(panels), figsize=(2.9 * len(panels) + 1.0, 3.4), squeeze=False,
-                             layout="constrained")
-    lengths, depths = ev["lengths"], ev["depths"]
-    im = None
-    for k, (ax, (t, s)) in enumerate(zip(axes[0], panels)):
-        grid = torch.tensor(ev["tasks"][t][s]["grid"], dtype=torch.float64) * 100
-        im = ax.imshow(grid.numpy(), vmin=0, vmax=100, cmap="RdYlGn", aspect="auto", origin="upper")
-        ax.set_xticks(range(len(lengths)), [str(L) for L in lengths], fontsize=7)
-        ax.set_yticks(range(len(depths)), [f"{d:.0%}" for d in depths] if k == 0 else [], fontsize=7)
-        ind = [j for j, L in enumerate(lengths) if L <= ev["train_frames"]]
-        if ind and ind[-1] < len(lengths) - 1:
-            ax.axvline(ind[-1] + 0.5, color="k", ls="--", lw=1)
-        ax.set_xlabel("frames")
-        if k == 0:
-            ax.set_ylabel("needle depth")
-        r = ev["tasks"][t][s]
-        ax.set_title(f"{t.replace('_', '-').upper()} {s}\nin {fmt(r['in_distribution'])} / ext {fmt(r['extrapolated'])}",
-                     fontsize=8)  # fmt: skip
-    fig.suptitle(title or f"{ev['name']} ({ev['variant']}), trained at {ev['train_frames']} frames", fontsize=9)
-    fig.colorbar(im, ax=axes[0].tolist(), shrink=0.8, label="accuracy (%)")
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=90)
-    plt.close(fig)
-    return path
-
-
-def write_report(evals: Sequence[dict], out_dir: str | Path) -> dict[str, Path]:
-    """``long_video.json``, ``long_video.md`` and ``heatmap_<run>.png`` per run under ``out_dir``."""
-    if not evals:
-        raise ValueError("write_report needs at least one evaluated run")
-    out = Path(out_dir)
-    paths = {"json": write_json(out / "long_video.json", {"runs": list(evals)}), "md": out / "long_video.md"}
-    paths["md"].write_text(markdown(evals))
-    for ev in evals:
-        paths[f"heatmap_{ev['name']}"] = heatmap(ev, out / f"heatmap_{ev['name']}.png")
-    return paths
-
-
 def main(argv: Sequence[str] | None = None) -> list[dict]:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
-    p.add_argument("--run", action="extend", nargs="+", required=True,
+    p.add_argument("--run", action="extend", nargs="+", default=[],
                    help="a train/vlm.py out_dir (config.yaml + model.safetensors); repeat for several runs")
     p.add_argument("--lengths", type=int, nargs="+", default=None,
-                   help="video lengths in frames (default 0.5x, 1x, 2x, 4x, 8x, 16x the training length)")
+                   help="video lengths in frames (default 0.5x, 1x, 2x, 4x, 8x, 16x the training length; "
+                        "--hf-model: 8 16 32 64)")
     p.add_argument("--depths", type=float, nargs="+", default=list(DEFAULT_DEPTHS), help="needle depths in [0, 1]")
-    p.add_argument("--samples", type=int, default=10, help="needles per (length, depth) cell")
+    p.add_argument("--samples", type=int, default=None, help="needles per (length, depth) cell (default 10; "
+                   "--hf-model: 4)")
     p.add_argument("--tasks", nargs="+", default=list(TASKS), choices=TASKS)
-    p.add_argument("--scoring", nargs="+", default=list(SCORINGS), choices=SCORINGS)
-    p.add_argument("--delta", type=int, default=None, help="V-NIAH-D distractor distance (frames; default the run's)")
-    p.add_argument("--haystack", default=None, choices=["procedural", "real"], help="default: the run's")
-    p.add_argument("--seed", type=int, default=None, help="evaluation seed (default the run's data.seed + 2)")
+    p.add_argument("--scoring", nargs="+", default=list(SCORINGS), choices=SCORINGS, help="--run only")
+    p.add_argument("--delta", type=int, default=None, help="V-NIAH-D distractor distance (frames; default the "
+                   "run's, --hf-model: 4)")
+    p.add_argument("--haystack", default=None,
+                   help="procedural, real (the shipped clips) or the path of a video file; default: the run's, "
+                        "--hf-model: real")
+    p.add_argument("--seed", type=int, default=None, help="evaluation seed (default the run's data.seed + 2; "
+                   "--hf-model: 0)")
     p.add_argument("--scaling", nargs="+", default=["none"], choices=["none", *SCALINGS],
                    help="training-free time-axis scaling beyond the training length; several: one evaluation each")
     p.add_argument("--batch-size", type=int, default=32, help="batch at the training length (scaled down with length)")
     p.add_argument("--out", default="outputs/long_video", help="output folder")
     p.add_argument("--device", default="auto")
     p.add_argument("--no-progress", action="store_true")
+    hf_long_video.add_arguments(p)
     args = p.parse_args(argv)
+    if not args.run and not args.hf_model:
+        p.error("give --run (a train/vlm.py run) or --hf-model (a Qwen-VL checkpoint folder)")
+    hf_long_video.check_arguments(p, args)
     evals = [
         evaluate_run(run, args.lengths, args.depths, tasks=args.tasks, scorings=args.scoring,
-                     samples_per_cell=args.samples, batch_size=args.batch_size, delta=args.delta,
-                     haystack=args.haystack, seed=args.seed, scaling=None if sc == "none" else sc,
+                     samples_per_cell=10 if args.samples is None else args.samples, batch_size=args.batch_size,
+                     delta=args.delta, haystack=args.haystack, seed=args.seed, scaling=None if sc == "none" else sc,
                      device=args.device, progress=not args.no_progress)
         for run in args.run
         for sc in args.scaling
     ]  # fmt: skip
+    evals += hf_long_video.evaluations(args)
     paths = write_report(evals, args.out)
     print(markdown(evals))
     print("wrote " + ", ".join(str(v) for v in paths.values()))

@@ -24,15 +24,13 @@ NLL. Writes ``points.json`` and ``points.md`` to ``--out``.
 from __future__ import annotations
 
 import argparse
-import sys
 from pathlib import Path
 from typing import Any, Sequence
 
 import torch
 from torch.utils.data import DataLoader, Subset
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import classification_metrics, fmt, load_run, markdown_table, pick_device, predict, write_json  # noqa: E402
+from common import classification_metrics, fmt, load_run, markdown_table, pick_device, predict, write_json
 
 __all__ = ["GROUPINGS", "evaluate_points_run", "markdown", "write_report", "main"]
 

@@ -24,12 +24,11 @@ import time
 from pathlib import Path
 from typing import Any, Sequence
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from aggregate import CLAIMS, PRECISION, evaluate_claims, summarize_family  # noqa: E402
-from common import markdown_table, write_json  # noqa: E402
-from plots import heat_grids, plot_points, plot_vit, plot_vlm, plot_vlm_heatmaps  # noqa: E402
-from protocols import FAMILIES, PROTOCOLS, describe  # noqa: E402
-from suite import load_records, plan, run_jobs  # noqa: E402
+from aggregate import PRECISION, evaluate_claims, summarize_family
+from common import markdown_table, write_json
+from plots import heat_grids, plot_points, plot_vit, plot_vlm, plot_vlm_heatmaps
+from protocols import FAMILIES, PROTOCOLS, describe
+from suite import load_records, plan, run_jobs
 
 __all__ = ["START", "END", "CORES", "report", "timing", "readme_section", "update_readme", "main"]
 

@@ -27,15 +27,13 @@ from __future__ import annotations
 
 import argparse
 import copy
-import sys
 from pathlib import Path
 from typing import Any, Sequence
 
 import torch
 from torch.utils.data import DataLoader, Dataset, Subset
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import (  # noqa: E402
+from common import (
     classification_metrics,
     fmt,
     group_accuracy,

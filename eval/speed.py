@@ -11,9 +11,9 @@
    configuration has the same token count: 2 axes (h, w) for image encodings; 3 axes (t = 0, h, w) for the
    multimodal 3-axis variants (MRoPE, VideoRoPE, ...); 1 axis (the row-major index) for 1D variants (V2PE,
    rope1d); encodings with more axes (VRoPE's four diagonals, PyPE's one axis per layer) get the row-major
-   index on every axis (the same cost as their own layouts). An encoding that cannot be built with its
-   defaults is built with its ``kit_options`` (the options the property tests use, e.g. LookHere presets
-   with ``head_directions='corners'`` at 6 heads); if that fails too it is skipped with the reason.
+   index on every axis (the same cost as their own layouts). Every encoding is built once, in its declared
+   example configuration (``Encoding.example``, the one the property kit and the demo use) with the model
+   facts (depth, axes, the benchmark grid); one that cannot be built is skipped with the reason.
 2. Peak memory of one such training step above the parameters held before it, and its ratio to ``nope``:
    ``torch.cuda.max_memory_allocated`` on GPU; on CPU the peak of live tensor memory tracked by
    ``torch.distributed._tools.mem_tracker.MemTracker`` (activations, gradients, temporaries).
@@ -74,31 +74,23 @@ def load_benchmark(name: str) -> ModuleType | None:
     return module
 
 
-def axes_for(name: str) -> int:
-    """The axis count to benchmark ``name`` with: 2 when it takes images, else its smallest supported count."""
+def axes_for(name: str) -> int | None:
+    """The axis count to benchmark ``name`` with: 2 when it lists image axes, its smallest listed count when it
+    lists others, None (the encoding's own default, e.g. one axis per layer) when it lists none."""
     axes = get(name).supported_axes
-    return 2 if axes is None or 2 in axes else min(axes)
+    return None if axes is None else 2 if 2 in axes else min(axes)
 
 
 def build_encoding(name: str, *, dim: int, num_heads: int, depth: int, grid: tuple[int, int]):
-    """``(encoding, options used)``; tries the defaults, then ``kit_options``, then the class's own axis count.
-
-    Raises ValueError with every attempt's reason when none builds.
-    """
-    cls = get(name)
-    kit = dict(getattr(cls, "kit_options", None) or {})
-    base: dict[str, Any] = {"depth": depth}
-    if name == "ape" or "grid_size" in vlpe.encodings.options_of(cls):
-        base["grid_size"] = grid  # learned tables sized to the benchmark grid (no resampling), as the benchmark does
-    axes = {"num_axes": axes_for(name)}
-    attempts = [{**base, **axes}, {**base, **axes, **kit}, base, {**base, **kit}]
-    reasons = []
-    for opts in attempts:
-        try:
-            return build(name, dim=dim, num_heads=num_heads, **opts), opts
-        except (ValueError, TypeError) as e:
-            reasons.append(f"{opts}: {e}")
-    raise ValueError(f"{name} could not be built: " + " | ".join(dict.fromkeys(reasons)))
+    """``(encoding, options used)``: the declared example configuration with the model facts (depth, axes, the
+    benchmark grid, so learned tables need no resampling). Raises ValueError when it does not build."""
+    opts: dict[str, Any] = {"depth": depth, "grid": tuple(grid), **get(name).example}
+    if axes_for(name) is not None:
+        opts.setdefault("num_axes", axes_for(name))
+    try:
+        return build(name, dim=dim, num_heads=num_heads, **opts), opts
+    except (ValueError, TypeError) as e:
+        raise ValueError(f"{name} could not be built with {opts}: {e}") from None
 
 
 def positions_for(num_axes: int, side: int, *, device: torch.device | str | None = None) -> vlpe.Positions:

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import math
-import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -34,8 +33,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import markdown_table, write_json  # noqa: E402
+from common import markdown_table, write_json
 
 __all__ = ["ZeroShotConfig", "TRAIN_TEMPLATES", "TEST_TEMPLATES", "train_clip", "zero_shot_accuracy", "run", "main"]
 

@@ -8,7 +8,7 @@ its hooks run at the fixed points of :mod:`vlpe.encodings.base`.
 It has timm's model API (``forward_features`` -> tokens, ``forward_head(pre_logits=)``,
 ``forward_intermediates``, ``get_classifier`` / ``reset_classifier``, ``prune_intermediate_layers``,
 ``set_grad_checkpointing``, ``group_matcher``) and the Hub's (``save_pretrained`` / ``from_pretrained``,
-:mod:`models.hub`). Importing this module registers it in timm as
+:mod:`models.hub`). Importing this module registers it in timm (:mod:`models.vit_timm`) as
 ``vlpe_vit_{tiny,small,base,micro,pico}_patch{16_224,8_224,4_32,4_28}`` (encoding by keyword) and, for every
 registered encoding that runs on a 2D grid and fits the preset, ``<that name>_<encoding>`` (the encoding fixed
 by the name, which is how open_clip's ``timm_model_name`` picks one)::
@@ -119,8 +119,7 @@ class ViT(nn.Module, HubMixin):
         )
         options = dict(encoding_options or {})
         options.setdefault("num_axes", 2)
-        if "grid_size" in vlpe.encodings.options_of(vlpe.encodings.get(encoding)):
-            options.setdefault("grid_size", self.grid_size)  # learned tables sized to the training grid
+        options.setdefault("grid", self.grid_size)  # a build-time fact: learned tables are sized to it
         self.encoder = Encoder(
             dim=embed_dim,
             depth=depth,
@@ -344,9 +343,7 @@ def fits(preset: str, encoding: str) -> bool:
     """Whether ``encoding`` builds for ``preset``'s width, heads and depth on a 2D grid (LookHere's direction
     presets need 12 heads, for instance); the encoding's own ``ValueError`` says why not."""
     dims = PRESETS[preset]
-    options: dict[str, Any] = dict(num_axes=2, depth=dims["depth"])
-    if "grid_size" in vlpe.encodings.options_of(vlpe.encodings.get(encoding)):
-        options["grid_size"] = (2, 2)
+    options: dict[str, Any] = dict(num_axes=2, depth=dims["depth"], grid=(2, 2))
     try:
         vlpe.encodings.build(encoding, dim=dims["embed_dim"], num_heads=dims["num_heads"], **options)
     except ValueError:
@@ -354,156 +351,5 @@ def fits(preset: str, encoding: str) -> bool:
     return True
 
 
-def grid_encodings() -> list[str]:
-    """Registered encodings that run on a 2D image grid: ``supported_axes`` allows 2 and the encoding builds
-    for at least one of the timm presets."""
-    out = []
-    for name in vlpe.encodings.available():
-        axes = vlpe.encodings.get(name).supported_axes
-        if (axes is None or 2 in axes) and any(fits(p, name) for p in TIMM_PRESETS):
-            out.append(name)
-    return out
-
-
-# --------------------------------------------------------------------------- timm registration
-TIMM_PRESETS = ("tiny", "small", "base", "micro", "pico")
-TIMM_SIZES = ((16, 224), (8, 224), (4, 32), (4, 28))  # (patch, image size)
-default_cfgs: dict[str, Any] = {}  # timm reads the pretrained cfgs of this module's entry points from here
-
-
-def _timm_kwargs(kwargs: dict[str, Any], *, arch: str) -> dict[str, Any]:
-    """timm's ViT keywords in vlpe's terms: ``global_pool`` -> ``readout``, ``reg_tokens`` -> ``num_registers``;
-    ``dynamic_img_size`` is accepted (every vlpe ViT takes any size, positions come from each input)."""
-    kwargs = dict(kwargs)
-    if "global_pool" in kwargs:
-        if "readout" in kwargs:
-            raise ValueError(f"{arch}: pass readout or global_pool, not both")
-        kwargs["readout"] = _readout_of(kwargs.pop("global_pool"), what="global_pool")
-    if "reg_tokens" in kwargs:
-        if "num_registers" in kwargs:
-            raise ValueError(f"{arch}: pass num_registers or reg_tokens, not both")
-        kwargs["num_registers"] = kwargs.pop("reg_tokens")
-    dynamic = kwargs.pop("dynamic_img_size", True)
-    if not isinstance(dynamic, bool):
-        raise ValueError(f"{arch}: dynamic_img_size must be a bool, got {dynamic!r}")
-    return kwargs
-
-
-def _checkpoint_filter(state_dict: dict[str, Tensor], model: nn.Module) -> dict[str, Tensor]:
-    """A training run's export (``train/``: keys under ``backbone.``) loads like a bare ViT state dict."""
-    del model
-    if state_dict and all(k.startswith("backbone.") for k in state_dict):
-        return {k[len("backbone.") :]: v for k, v in state_dict.items()}
-    return state_dict
-
-
-def _has_weights(variant: str, kwargs: dict[str, Any]) -> bool:
-    from timm.models import resolve_pretrained_cfg
-
-    cfg = resolve_pretrained_cfg(
-        variant, pretrained_cfg=kwargs.get("pretrained_cfg"), pretrained_cfg_overlay=kwargs.get("pretrained_cfg_overlay")
-    ).to_dict()
-    return any(cfg.get(k) for k in ("file", "state_dict", "url", "hf_hub_id"))
-
-
-def _create(variant: str, *, preset: str, patch: int, size: int, fixed: str | None, pretrained: bool, **kwargs):
-    from timm.models import build_model_with_cfg
-
-    if pretrained and not _has_weights(variant, kwargs):
-        raise ValueError(
-            f"{variant} has no pretrained weights to download; load your own with pretrained=True, "
-            "pretrained_cfg_overlay=dict(file=<checkpoint>, num_classes=<its classes>)"
-        )
-    kwargs = _timm_kwargs(kwargs, arch=variant)
-    if fixed is not None and kwargs.setdefault("encoding", fixed) != fixed:
-        base = variant[: -len(fixed) - 1]
-        raise ValueError(
-            f"{variant} is the {fixed!r} encoding; for encoding={kwargs['encoding']!r} use {base} or "
-            f"{base}_{kwargs['encoding']}"
-        )
-    kwargs.setdefault("img_size", size)
-    kwargs.setdefault("patch_size", patch)
-    out_indices = kwargs.pop("out_indices", 3)  # features_only: the last 3 blocks, as timm's ViTs
-    model = build_model_with_cfg(
-        lambda **kw: vit(preset, **kw),
-        variant,
-        pretrained,
-        pretrained_filter_fn=_checkpoint_filter,
-        feature_cfg=dict(feature_cls="getter", out_indices=out_indices),
-        **kwargs,
-    )
-    if isinstance(model, ViT):  # whether the class token exists is not implied by the pooling timm records
-        model._model_args = {"class_token": model.has_class_token}
-    return model
-
-
-def timm_name(preset: str, patch: int, size: int, encoding: str | None = None) -> str:
-    """The timm architecture name of a vlpe ViT (``encoding``: the one fixed by the name, else by keyword)."""
-    return f"vlpe_vit_{preset}_patch{patch}_{size}" + (f"_{encoding}" if encoding else "")
-
-
-def register_timm(encoding: str | None = None) -> list[str]:
-    """Register the ``vlpe_vit_*`` architectures in timm for ``encoding`` fixed by the name (a registered
-    encoding, e.g. one of your own: every preset it :func:`fits`, every size) or, with None, chosen by keyword
-    (every preset and size). Returns the names; names already registered are left as they are. Import-time
-    registration covers :func:`grid_encodings`."""
-    import timm
-    from timm.models import generate_default_cfgs, register_model
-
-    presets = TIMM_PRESETS
-    if encoding is not None:
-        vlpe.encodings.get(encoding)  # ValueError naming the registered ones
-        presets = tuple(p for p in TIMM_PRESETS if fits(p, encoding))
-        if not presets:
-            raise ValueError(
-                f"encoding {encoding!r} does not build on a 2D grid for any of the presets {TIMM_PRESETS}; grid "
-                f"encodings: {grid_encodings()}"
-            )
-    names = [timm_name(p, patch, size, encoding) for p in presets for patch, size in TIMM_SIZES]
-    made = {}
-    for preset in presets:
-        for patch, size in TIMM_SIZES:
-            name = timm_name(preset, patch, size, encoding)
-            if not timm.is_model(name):
-                made[name] = _entry(name, preset=preset, patch=patch, size=size, encoding=encoding)
-    default_cfgs.update(generate_default_cfgs({name: cfg for name, (_, cfg) in made.items()}))
-    for name, (entry, _) in made.items():
-        globals()[name] = register_model(entry)
-    return names
-
-
-def _entry(name: str, *, preset: str, patch: int, size: int, encoding: str | None):
-    """timm entry point and pretrained cfg of one architecture."""
-
-    def entry(pretrained: bool = False, **kwargs: Any) -> ViT:
-        return _create(name, preset=preset, patch=patch, size=size, fixed=encoding, pretrained=pretrained, **kwargs)
-
-    entry.__name__ = entry.__qualname__ = name
-    which = f"the {encoding} encoding" if encoding else "encoding='<name>' (default rope)"
-    entry.__doc__ = f"vlpe ViT-{preset}/{patch} at {size} px with {which}; no pretrained weights."
-    entry.__module__ = __name__
-    cfg = dict(
-        url="",
-        num_classes=1000,
-        input_size=(3, size, size),
-        pool_size=None,
-        crop_pct=1.0,
-        interpolation="bicubic",
-        fixed_input_size=False,
-        mean=(0.0, 0.0, 0.0),  # the vlpe harness feeds [0, 1] pixels, unnormalised
-        std=(1.0, 1.0, 1.0),
-        first_conv="tokenizer.proj",
-        classifier="head",
-        license="apache-2.0",
-    )
-    return entry, cfg
-
-
-try:
-    import timm as _timm  # noqa: F401  (optional for the library)
-except ImportError:
-    pass
-else:
-    for _enc in (None, *grid_encodings()):
-        register_timm(_enc)
-    del _enc
+# the timm registration (imported last: models.vit_timm uses the ViT above)
+from .vit_timm import TIMM_PRESETS, TIMM_SIZES, default_cfgs, grid_encodings, register_timm, timm_name  # noqa: E402,F401

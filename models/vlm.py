@@ -32,18 +32,15 @@ patched model expects, so a training step never builds positions on the accelera
 from __future__ import annotations
 
 import contextlib
-import functools
 from dataclasses import dataclass, field
 from typing import Any, Literal, Mapping, Sequence
 
 import torch
 from torch import Tensor, nn
 
-from vlpe.attention import Backend
 from vlpe.encodings import multimodal as mm
-from vlpe.positions import Positions
 
-from .blocks import Encoder
+from .vision_tower import Merger, VisionTower
 
 __all__ = [
     "PRESETS",
@@ -73,169 +70,7 @@ PRESETS: dict[str, dict[str, Any]] = {
 }  # fmt: skip
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# Vision tower
-# ----------------------------------------------------------------------------------------------------------------
-
-
-@functools.lru_cache(maxsize=64)
-def _merge_order(h: int, w: int, m: int) -> Tensor:
-    """(row, col) of the ``h * w`` patches of one frame in the collator's order: row-block, column-block,
-    row-in-block, column-in-block (each ``m x m`` merge group contiguous). ``(h * w, 2)`` int64."""
-    rb, cb, ri, ci = torch.meshgrid(
-        torch.arange(h // m), torch.arange(w // m), torch.arange(m), torch.arange(m), indexing="ij"
-    )
-    return torch.stack([rb * m + ri, cb * m + ci], dim=-1).reshape(h * w, 2)
-
-
-@dataclass(frozen=True)
-class _Layout:
-    """How the packed patches of a batch become attention rows: ``rows`` x ``width`` tokens."""
-
-    coords: Tensor  # (R, Lmax, 3) int64: (t, row, col)
-    gather: Tensor | None  # (R, Lmax) patch index of every slot; None when the patches already form (R, Lmax)
-    valid: Tensor | None  # (R, Lmax) bool; None when every slot is real
-    scatter: Tensor | None  # (P,) flat slot of every patch, in patch order; None with gather None
-
-    def to(self, device: torch.device) -> "_Layout":
-        mv = lambda t: None if t is None else t.to(device, non_blocking=True)  # noqa: E731
-        return _Layout(mv(self.coords), mv(self.gather), mv(self.valid), mv(self.scatter))
-
-
-@functools.lru_cache(maxsize=32)
-def _layout(grids: tuple[tuple[int, int, int], ...], merge: int, per_frame: bool) -> _Layout:
-    """Rows of attention for packed ``grids`` (t, h, w in patches, order of appearance): one row per temporal
-    patch (``per_frame``) or per block. Built on the host once per distinct grid list (cached)."""
-    segments: list[tuple[int, Tensor]] = []  # (first patch, coords (n, 3))
-    offset = 0
-    for t, h, w in grids:
-        if h % merge or w % merge:
-            raise ValueError(f"grid {(t, h, w)}: height and width must be multiples of spatial_merge_size={merge}")
-        hw = _merge_order(h, w, merge)  # (h*w, 2)
-        times = torch.arange(t).repeat_interleave(h * w)[:, None]  # (t*h*w, 1)
-        coords = torch.cat([times, hw.repeat(t, 1)], dim=-1)  # (t*h*w, 3)
-        if per_frame:
-            segments += [(offset + i * h * w, coords[i * h * w : (i + 1) * h * w]) for i in range(t)]
-        else:
-            segments.append((offset, coords))
-        offset += t * h * w
-    lengths = [len(c) for _, c in segments]
-    width = max(lengths)
-    if all(n == width for n in lengths):
-        return _Layout(torch.stack([c for _, c in segments]), None, None, None)
-    R = len(segments)
-    coords = torch.zeros(R, width, 3, dtype=torch.long)
-    gather = torch.zeros(R, width, dtype=torch.long)
-    valid = torch.zeros(R, width, dtype=torch.bool)
-    scatter = []
-    for r, (first, c) in enumerate(segments):
-        n = len(c)
-        coords[r, :n] = c
-        gather[r, :n] = torch.arange(first, first + n)
-        valid[r, :n] = True
-        scatter.append(torch.arange(r * width, r * width + n))
-    return _Layout(coords, gather, valid, torch.cat(scatter))
-
-
-class Merger(nn.Module):
-    """Qwen2-VL's patch merger: the ``m x m`` contiguous patches of a group concatenated, then an MLP to the
-    decoder width (the input is already layer-normed by the encoder)."""
-
-    def __init__(self, *, dim: int, out_dim: int, merge_size: int = 2) -> None:
-        super().__init__()
-        self.group = merge_size**2
-        inner = dim * self.group
-        self.mlp = nn.Sequential(nn.Linear(inner, inner), nn.GELU(), nn.Linear(inner, out_dim))
-
-    def forward(self, x: Tensor) -> Tensor:
-        """``(P, C)`` patches in merge order -> ``(P / m^2, out_dim)``."""
-        return self.mlp(x.reshape(-1, x.shape[-1] * self.group))
-
-
-class VisionTower(nn.Module):
-    """Linear patch embedding + :class:`models.blocks.Encoder` (any vlpe encoding) + :class:`Merger`.
-
-    Called by the Hugging Face model as ``visual(pixel_values, grid_thw=grid_thw)``: ``pixel_values``
-    ``(P, C * tp * p * p)`` packed patches of every block in order (the Qwen2-VL processor's layout, see
-    :func:`data.vlm_collate.patchify`), ``grid_thw`` ``(blocks, 3)``. Every patch gets the coordinates
-    ``(t, row, col)`` (temporal patch, patch row, patch column) within its block; rows of attention are temporal
-    patches (``attention="frame"``, Qwen2-VL) or whole blocks (``"block"``), padded with ``valid`` masks when
-    blocks differ in size. Returns a ``BaseModelOutputWithPooling`` whose ``pooler_output`` holds the merged
-    tokens ``(P / m^2, out_dim)`` in placeholder order.
-    """
-
-    def __init__(
-        self,
-        *,
-        out_dim: int,
-        dim: int = 64,
-        depth: int = 2,
-        num_heads: int = 4,
-        patch_size: int = 14,
-        temporal_patch_size: int = 2,
-        in_chans: int = 3,
-        spatial_merge_size: int = 2,
-        encoding: str = "rope",
-        encoding_options: Mapping[str, Any] | None = None,
-        attention: Literal["frame", "block"] = "frame",
-        mlp_ratio: float = 4.0,
-        backend: Backend = "sdpa",
-    ) -> None:
-        super().__init__()
-        if attention not in ("frame", "block"):
-            raise ValueError(f"vision attention must be 'frame' or 'block', got {attention!r}")
-        self.patch_size, self.temporal_patch_size, self.in_chans = patch_size, temporal_patch_size, in_chans
-        self.spatial_merge_size = spatial_merge_size
-        self.attention = attention
-        self.patch_dim = in_chans * temporal_patch_size * patch_size**2
-        self.patch_embed = nn.Linear(self.patch_dim, dim)
-        options = dict(encoding_options or {})
-        options.setdefault("num_axes", 3)
-        self.encoder = Encoder(
-            dim=dim, depth=depth, num_heads=num_heads, encoding=encoding, encoding_options=options,
-            mlp_ratio=mlp_ratio, backend=backend,
-        )  # fmt: skip
-        self.merger = Merger(dim=dim, out_dim=out_dim, merge_size=spatial_merge_size)
-        for module in (self.patch_embed, self.encoder.blocks, self.merger):
-            module.apply(_init_linear)
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.patch_embed.weight.dtype
-
-    @property
-    def device(self) -> torch.device:
-        return self.patch_embed.weight.device
-
-    def no_weight_decay(self) -> set[str]:
-        return {f"encoder.{n}" for n in self.encoder.no_weight_decay()}
-
-    def forward(self, hidden_states: Tensor, grid_thw: Tensor, **kwargs: Any):
-        from transformers.modeling_outputs import BaseModelOutputWithPooling
-
-        if hidden_states.dim() != 2 or hidden_states.shape[-1] != self.patch_dim:
-            raise ValueError(
-                f"pixel_values must be (patches, {self.patch_dim}) = (patches, channels x temporal_patch_size x "
-                f"patch_size^2), got {tuple(hidden_states.shape)}"
-            )
-        grids = tuple(tuple(g) for g in grid_thw.tolist())  # the one host read (Hugging Face splits by it too)
-        layout = _layout(grids, self.spatial_merge_size, self.attention == "frame").to(hidden_states.device)
-        x = self.patch_embed(hidden_states)  # (P, C)
-        R, L = layout.coords.shape[:2]
-        rows = x.reshape(R, L, -1) if layout.gather is None else x[layout.gather]  # (R, L, C)
-        pos = Positions(layout.coords, valid=layout.valid, axes=("t", "h", "w"))
-        rows = self.encoder(rows, pos)  # (R, L, C)
-        x = rows.reshape(R * L, -1)
-        if layout.scatter is not None:
-            x = x[layout.scatter]  # (P, C) back in patch order
-        return BaseModelOutputWithPooling(last_hidden_state=x, pooler_output=self.merger(x))
-
-
-def _init_linear(m: nn.Module) -> None:
-    if isinstance(m, nn.Linear):
-        nn.init.trunc_normal_(m.weight, std=0.02)
-        if m.bias is not None:
-            nn.init.zeros_(m.bias)
+# the vision tower and its merger (VisionTower, Merger) live in models/vision_tower.py
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -419,8 +254,7 @@ class VLM(nn.Module):
         self.hf = hf
         self._variant_arg, self._variant_options = v, dict(variant_options or {})
         vlpe_hf.apply(hf, v, **self._variant_options)
-        self._patch = vlpe_hf.patch_of(hf)
-        self.variant = self._patch.variant  # with an ``allocation`` option applied
+        self.variant = self.patch.variant  # with every option applied (allocation, section, design options)
 
     def set_rope_scaling(self, scaling: Mapping[str, Any] | None) -> "VLM":
         """Training-free scaling of the decoder's rotary tables from the next forward on (a vlpe scaling dict,
@@ -431,12 +265,17 @@ class VLM(nn.Module):
         options = dict(self._variant_options)
         if scaling is not None:
             options["scaling"] = dict(scaling)
-        vlpe_hf.remove(self.hf)
-        vlpe_hf.apply(self.hf, self._variant_arg, **options)
-        self._patch = vlpe_hf.patch_of(self.hf)
+        vlpe_hf.apply(self.hf, self._variant_arg, **options)  # replaces the current patch
         return self
 
     # -- properties ------------------------------------------------------------------------------------------------
+    @property
+    def patch(self):
+        """The decoder's :class:`vlpe.integrations.transformers.Patch` (found on the model, so it follows copies)."""
+        from vlpe.integrations import transformers as vlpe_hf
+
+        return vlpe_hf.patch_of(self.hf)
+
     @property
     def visual(self) -> VisionTower:
         return self.hf.model.visual
@@ -448,7 +287,7 @@ class VLM(nn.Module):
     @property
     def position_options(self) -> dict[str, Any]:
         """The design options the decoder was patched with (defaults filled in: PyPE's depth ...)."""
-        return dict(self._patch.design_options)
+        return self.patch.design_options
 
     def no_weight_decay(self) -> set[str]:
         names = {f"hf.model.visual.{n}" for n in self.visual.no_weight_decay()}
@@ -459,7 +298,7 @@ class VLM(nn.Module):
         vc = self.hf.config.vision_config
         base = dict(
             tokenizer=self.tokenizer, variant=self.variant, position_options=self.position_options,
-            masked=self._patch.masked, patch_size=vc.patch_size, temporal_patch_size=vc.temporal_patch_size,
+            masked=self.variant.masked, patch_size=vc.patch_size, temporal_patch_size=vc.temporal_patch_size,
             merge_size=vc.spatial_merge_size,
         )  # fmt: skip
         return VLMCollate(**{**base, **kwargs})
@@ -493,19 +332,11 @@ class VLM(nn.Module):
         time-aware designs (``qwen25vl``) place frames by it: hand this batch's values to the patch for the call
         (the collator used the same values)."""
         spg = batch.get("second_per_grid_ts")
-        options = self._patch.design_options
         if spg is None or "second_per_grid_ts" not in mm.DESIGNS[self.variant.design].defaults:
             yield
             return
-        had, saved = "second_per_grid_ts" in options, options.get("second_per_grid_ts")
-        options["second_per_grid_ts"] = spg
-        try:
+        with self.patch.using(second_per_grid_ts=spg):
             yield
-        finally:
-            if had:
-                options["second_per_grid_ts"] = saved
-            else:
-                del options["second_per_grid_ts"]
 
 
 def vlm(preset: str = "tiny", *, tokenizer: Any, variant: Any = "mrope_i", **overrides: Any) -> VLM:

@@ -255,7 +255,7 @@ def test_shapes_render_at_k_times_matches_pooled_render(scale):
 
 
 def test_shapes_background_is_exactly_area_consistent():
-    from data.shapes import _background
+    from data.shapes_render import _background
 
     ds = Shapes(5, resolution=20)
     for i in range(5):
@@ -266,7 +266,7 @@ def test_shapes_background_is_exactly_area_consistent():
 
 
 def test_box_mean_of_a_linear_ramp_is_its_value_at_pixel_centres():
-    from data.shapes import _box_mean_of_linear
+    from data.shapes_render import _box_mean_of_linear
 
     n = 10
     centres = np.arange(n + 2) - 0.5  # padded samples sit at k - 0.5

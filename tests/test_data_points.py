@@ -14,7 +14,7 @@ import pytest
 import torch
 from torch.utils.data import DataLoader
 
-from data import points as points_mod
+from data.points import cgal as points_cgal
 from data._util import MissingPackageError
 from data.collate import PointCollator
 from data.points import (
@@ -228,7 +228,7 @@ def test_archive_cache_round_trip(tmp_path, monkeypatch):
 
 
 def test_missing_cgal_package_names_the_apt_command(monkeypatch, tmp_path):
-    monkeypatch.setattr(points_mod, "CGAL_ARCHIVE", tmp_path / "nope" / "data.tar.gz")
+    monkeypatch.setattr(points_cgal, "CGAL_ARCHIVE", tmp_path / "nope" / "data.tar.gz")
     with pytest.raises(MissingPackageError, match=r"sudo apt-get install libcgal-demo"):
         CGALShapes()
 

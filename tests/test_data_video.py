@@ -11,13 +11,15 @@ import os
 import pickle
 import sys
 import time
+from pathlib import Path
 
 import av
 import numpy as np
 import pytest
 import torch
 
-from data import video as V
+from data.video import clips as video_clips
+from data.video import server as video_server
 from data.video import (
     ProceduralVideo,
     TruncatedVideoError,
@@ -220,7 +222,7 @@ def test_missing_package_names_the_install_command(monkeypatch):
     monkeypatch.setitem(sys.modules, "decord", None)  # makes `import decord` raise ImportError
     with pytest.raises(ImportError, match=r"pip install decord==0\.6\.0"):
         read_video(real_clip_path("bikes"), backend="decord", timeout=None)
-    monkeypatch.setattr(V, "OPENCV_DATA", V.Path("/nonexistent/opencv-doc"))
+    monkeypatch.setattr(video_clips, "OPENCV_DATA", Path("/nonexistent/opencv-doc"))
     with pytest.raises(ImportError, match=r"apt-get install opencv-doc"):
         real_clip_path("vtest")
     with pytest.raises(ValueError, match="unknown real clip"):
@@ -267,12 +269,12 @@ def test_write_video_round_trip(tmp_path):
 
 
 def test_decoder_process_is_recycled(monkeypatch):
-    monkeypatch.setattr(V._Decoder, "RECYCLE_AFTER", 2)
+    monkeypatch.setattr(video_server._Decoder, "RECYCLE_AFTER", 2)
     path = real_clip_path("carphone_pristine")
     pids = []
     for _ in range(3):
         read_video(path, indices=[0], size=8, backend="av", timeout=30)
-        pids.append(V._decoder().proc.pid)
+        pids.append(video_server._decoder().proc.pid)
     assert pids[0] == pids[1] != pids[2]
 
 

@@ -1,5 +1,6 @@
-"""The demo job: files written, failures reported with a non-zero exit, and the plotted maps are the
-position-only attention they claim to be (checked against closed forms)."""
+"""The property table and attention plots (eval/properties.py, step 4 of the demo job): files written,
+failures reported with a non-zero exit, and the plotted maps are the position-only attention they claim to be
+(checked against closed forms)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import pytest
 import torch
 from matplotlib.image import imread
 
-from vlpe import demo
+import properties as demo  # eval/properties.py (pytest's pythonpath)
 
 
 def test_demo_writes_plots_and_table(tmp_path, capsys):

@@ -9,7 +9,6 @@ are not rewritten), and ``--fresh`` trains again.
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import pytest
@@ -17,7 +16,6 @@ import pytest
 pytest.importorskip("deepspeed")
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "eval"))
 
 import demo  # noqa: E402
 

@@ -20,7 +20,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import sys
 from collections import Counter
 from pathlib import Path
 
@@ -31,7 +30,6 @@ import yaml
 pytest.importorskip("transformers")
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "eval"))
 
 import long_video  # noqa: E402
 

@@ -6,6 +6,7 @@ import torch
 
 import vlpe
 import vlpe.attention as attention
+import vlpe.attention_fast as attention_fast
 from vlpe.encodings import HALF_PLANES, build
 
 # (name, options) of every bias encoding and the variants that change which fast path is taken
@@ -44,7 +45,7 @@ def _qkv(pos, heads, batch=2, dim=8, seed=0):
 @pytest.fixture(params=[1 << 30, 3000], ids=["one-chunk", "small-chunks"])
 def budget(request, monkeypatch):
     """The whole grid in one chunk, or chunks of a few rows (several chunks, truncated keys)."""
-    monkeypatch.setattr(attention, "FAST_BIAS_BYTES", request.param)
+    monkeypatch.setattr(attention_fast, "FAST_BIAS_BYTES", request.param)
     return request.param
 
 
@@ -137,8 +138,8 @@ def test_automatic_choice_keeps_training_on_the_reference_path(monkeypatch):
     q, k, v = _qkv(pos, 12)
     ctx = enc.prepare(pos)
     calls = []
-    real = attention._lattice_attention
-    monkeypatch.setattr(attention, "_lattice_attention", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    real = attention_fast._lattice_attention
+    monkeypatch.setattr(attention_fast, "_lattice_attention", lambda *a, **kw: calls.append(1) or real(*a, **kw))
     monkeypatch.setattr(attention, "FAST_MIN_TOKENS", 10)
     qg = q.clone().requires_grad_(True)
     train = vlpe.attend(qg, k, v, enc=enc, ctx=ctx, layer=0)  # autograd needed: the reference path

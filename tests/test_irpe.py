@@ -288,6 +288,8 @@ def test_only_configured_hooks_are_used():
     assert build(rpe_on="k").hooks == ("score",)
     assert build(rpe_on="qkv").hooks == ("score", "values")
     assert build(rpe_on="v").hooks == ("values",)
-    assert vlpe.encodings.get("irpe").uses("values")  # the class implements both hooks
-    with pytest.raises(ValueError, match="unknown hook"):
-        build().uses("rotation")
+    pos = vlpe.Positions.grid(3, 3, prefix=1)
+    assert not build(rpe_on="k").prepare(pos).plan[0].values  # the plan says so: the attention reads it
+    assert build(rpe_on="qkv").prepare(pos).plan[1].values
+    with pytest.raises(ValueError, match="unknown encoding pieces"):
+        vlpe.encodings.plan.LayerPlan.of({"rotation"})

@@ -334,3 +334,44 @@ def test_pype_encoding_positions_use_its_depth():
     assert pos.num_axes == 5 and torch.equal(pos.coords, ids.permute(1, 2, 0).float())
     with pytest.raises(ValueError, match="num_axes=depth"):
         vlpe.encodings.build("pype", dim=32, num_heads=2, depth=5, num_axes=1).positions(types, grid)
+
+
+# ------------------------------------------------------------------------------------------------------------
+# one variant object: registered encodings are views of VARIANTS, any variant has an encoding
+# ------------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", [n for n in mm.VARIANTS if n != "rope1d"])
+def test_registered_encodings_hold_their_variant(name):
+    opts = {"num_kv_heads": 4} if name == "mhrope" else {}
+    enc = vlpe.encodings.build(name, dim=256, num_heads=8, **opts)
+    assert enc.spec is mm.VARIANTS[name]  # the table's object itself, no copy of its settings
+    assert type(mm.VARIANTS[name].encoding(dim=256, num_heads=8, **opts)) is type(enc)
+
+
+def test_any_variant_is_an_encoding_that_matches_its_tables():
+    v = mm.Variant("diagonal", "interleaved", {"temporal_scale": 0.5}, theta=1e4)
+    types, mask, grid = mm_batch("videorope")
+    ids, _ = mm.position_ids(v, types, grid, attention_mask=mask)
+    enc = v.encoding(dim=8 * 32, num_heads=8)
+    assert enc.spec is v and type(enc) is mm.encodings.MultimodalRoPE
+    ctx = enc.prepare(vlpe.Positions(ids.permute(1, 2, 0).float()))
+    q, k = torch.randn(2, 2, 8, ids.shape[-1], 32)
+    got = enc.rotate(q, k, ctx, 0)
+    want = mm.apply_rotary_pos_emb(q, k, *mm.rotary(v, ids, head_dim=32))
+    torch.testing.assert_close(got[0], want[0], atol=1e-5, rtol=0)
+    torch.testing.assert_close(got[1], want[1], atol=1e-5, rtol=0)
+    assert isinstance(mm.Variant("pype", "none").encoding(dim=64, num_heads=2, depth=3), mm.encodings.PyPE)
+
+
+def test_with_options_builds_one_validated_variant():
+    v = mm.VARIANTS["mrope_i"].with_options(spatial_reset=True, section=[24, 20, 20], theta=5e5)
+    assert (v.name, v.design_options, v.section, v.theta) == ("mrope_i", {"spatial_reset": True}, (24, 20, 20), 5e5)
+    assert mm.VARIANTS["mrope_i"].design_options == {}  # presets are never changed
+    w = v.with_options(allocation="chunked")
+    assert (w.allocation, w.section, w.name) == ("chunked", None, None)
+    with pytest.raises(ValueError, match="does not take option"):
+        mm.VARIANTS["mrope"].with_options(temporal_scale=2.0)
+    with pytest.raises(ValueError, match="unknown frequency allocation"):
+        v.with_options(allocation="spiral")
+    assert mm.VARIANTS["pype"].layered and mm.VARIANTS["pype"].masked and not mm.VARIANTS["mrope"].layered

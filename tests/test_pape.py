@@ -11,7 +11,7 @@ import torch.nn.functional as F
 import vlpe
 from vlpe import Positions, attend, attention_logits
 from vlpe.encodings import build
-from vlpe.encodings.pape import PaPENaive
+from benchmarks.reference_forms import PaPENaive
 from vlpe.testing import PropertyFailure, check_rotation_invariant
 
 
@@ -84,7 +84,7 @@ def test_widened_dot_product_equals_explicit_bias(name, opts, pos, prefix_positi
 def test_naive_reference_form_matches_the_explicit_bias_and_the_folded_form(opts, pos, prefix_position):
     """The benchmark's 3M + 2 channel form (the reference's naive layout) is a third derivation of the same logits."""
     folded = build("pape", dim=32, num_heads=2, depth=2, **opts).double()
-    naive = PaPENaive(dim=32, num_heads=2, depth=2, **opts).double()
+    naive = vlpe.encodings.construct(PaPENaive, dim=32, num_heads=2, depth=2, **opts).double()
     naive.load_state_dict(folded.state_dict())
     assert naive.extra_width == 3 * folded.num_parabolas + 2 > folded.extra_width
     if pos is None:

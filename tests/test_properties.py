@@ -8,24 +8,24 @@ import torch
 
 import vlpe
 from vlpe.encodings import get
-from vlpe.testing import check, check_errors, check_scaling, takes_scaling
+from vlpe.testing import check, check_errors, check_scaling, example, examples, takes_scaling
 
 
 def _build(name):
-    cls = get(name)
-    axes = cls.supported_axes[0] if cls.supported_axes else 2
-    opts = dict(getattr(cls, "kit_options", {}))
-    opts.setdefault("num_axes", axes)
-    return vlpe.encodings.build(name, dim=64, num_heads=4, depth=2, **opts)
+    return example(name)
 
 
-CASES = [(name, claim) for name in vlpe.encodings.available() for claim in sorted(get(name).claims)]
+#: every claim of every example configuration (a wrapper such as rpe2d: one per wrapped encoding)
+CONFIGS = {label: (name, opts) for name in vlpe.encodings.available()
+           for (label, _), opts in zip(examples(name), get(name).examples())}
+CASES = [(label, claim) for label, (name, opts) in CONFIGS.items() for claim in sorted(example(name, **opts).claims)]
 
 
-@pytest.mark.parametrize("name,claim", CASES, ids=[f"{n}-{c}" for n, c in CASES])
-def test_claimed_property(name, claim):
+@pytest.mark.parametrize("label,claim", CASES, ids=[f"{n}-{c}" for n, c in CASES])
+def test_claimed_property(label, claim):
+    name, opts = CONFIGS[label]
     torch.manual_seed(0)
-    check(_build(name), claim)
+    check(example(name, **opts), claim)
 
 
 @pytest.mark.parametrize("name", vlpe.encodings.available())

@@ -10,26 +10,15 @@ import vlpe
 from vlpe import Positions, attention_logits
 from vlpe.attention import Attention, attend
 from vlpe.encodings import build, get
-from vlpe.testing import PropertyFailure, check_fp32_angles
+from vlpe.testing import PropertyFailure, check_fp32_angles, randomize_parameters
 
 
 def _build(name, **extra):
-    cls = get(name)
-    axes = cls.supported_axes[0] if cls.supported_axes else 2
-    opts = dict(getattr(cls, "kit_options", {}))
-    opts.setdefault("num_axes", axes)
-    opts.update(extra)
-    return build(name, dim=64, num_heads=4, depth=2, **opts)
+    return vlpe.testing.example(name, **extra)
 
 
 def _randomise(enc, seed=0):
-    """Every floating parameter drawn at random: zero-initialised per-layer tables become distinguishable."""
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in enc.parameters():
-            if p.is_floating_point():
-                p.copy_(torch.randn(p.shape, generator=g, dtype=torch.float64).to(p.dtype) * 0.3)
-    return enc
+    return randomize_parameters(enc, seed=seed)
 
 
 def _grid(enc):
@@ -73,7 +62,7 @@ def _effect_at(enc, pos, layer):
     x = torch.randn(1, pos.num_tokens, enc.dim, generator=g)
     ctx = enc.prepare(pos)
     out = [attend(q, k, k, enc=enc, ctx=ctx, layer=layer, backend="eager")]
-    if enc.uses("mix"):
+    if ctx.plan[layer].mix:
         out.append(enc.mix(x, ctx, layer))
     return out
 
@@ -216,7 +205,7 @@ def test_a_context_from_another_encoding_or_none_is_a_value_error(name):
             ("widen", lambda c: enc.widen(q, q, c, 0)),
             ("score", lambda c: enc.score(q, q, c, 0)),
         ):
-            if enc.uses(hook):
+            if hook in enc.pieces:
                 with pytest.raises(ValueError, match="prepare"):
                     call(ctx)
 
@@ -325,3 +314,11 @@ def test_point_tokenizer_rejects_clouds_without_points():
     valid[1] = False
     with pytest.raises(ValueError, match=r"cloud 1.*no real points|no real points.*cloud 1"):
         tok(torch.randn(2, 16, 3), valid=valid)
+
+
+def test_randomize_parameters_draws_every_float_parameter_deterministically():
+    enc = build("irpe", dim=32, num_heads=4)
+    a = [p.detach().clone() for p in randomize_parameters(enc, seed=3).parameters() if p.is_floating_point()]
+    g = torch.Generator().manual_seed(3)  # the documented draw, written out
+    want = [torch.randn(p.shape, generator=g, dtype=torch.float64).float() * 0.3 for p in a]
+    assert a and all(torch.equal(x, y) for x, y in zip(a, want))

@@ -14,14 +14,12 @@ What is checked:
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "eval"))
 
 import aggregate  # noqa: E402
 import report  # noqa: E402

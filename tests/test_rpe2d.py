@@ -8,7 +8,6 @@ import torch
 import vlpe
 from vlpe import Positions, attention_logits
 from vlpe.encodings import build
-from vlpe.encodings.rpe2d import _with_coords
 
 
 def _batched(pos: Positions, B: int) -> Positions:
@@ -154,16 +153,18 @@ def test_sampling_runs_without_host_syncs():
     """On the meta device any .item()/bool()/tolist() would raise: the sampling is pure tensor ops."""
     enc = build("rpe2d", dim=32, num_heads=2, depth=1, crop=True).train()
     pos = _batched(Positions.grid(3, 4, prefix=1), 4)
-    meta = _with_coords(pos, pos.coords.to("meta"))
+    meta = pos.replace(coords=pos.coords.to("meta"))  # the constructor reads nothing back
     coords, _, box = enc.sample(meta)
     assert coords.device.type == "meta" and coords.shape == pos.coords.shape and box.shape == (4, 4)
 
 
 def test_hooks_follow_the_base_and_training_backward():
     enc = build("rpe2d", dim=64, num_heads=4, depth=2)
-    assert enc.hooks == ("rotate",) and not enc.uses("score")  # fused SDPA stays available
+    assert enc.hooks == ("rotate",) and "score" not in enc.pieces  # fused SDPA stays available
     assert build("rpe2d", dim=64, num_heads=4, base="sincos", crop=True).hooks == ("embed",)
-    assert type(enc).uses("score")  # the class delegates every hook
+    assert enc.prepare(Positions.grid(3, 3, prefix=1)).plan[0].pieces == ("rotate",)
+    lh = build("rpe2d", dim=64, num_heads=4, base="alibi")  # the plan follows the base
+    assert lh.prepare(Positions.grid(3, 3, prefix=1)).plan[0].score
     enc = build("rpe2d", dim=64, num_heads=4, depth=2, base="rope_mixed", crop=True).train()
     attn = vlpe.Attention(dim=64, num_heads=4)
     pos = _batched(Positions.grid(3, 3, prefix=1), 2)

@@ -158,7 +158,7 @@ def _read_metrics(out: Path):
 )
 def test_two_rank_deepspeed_smoke(tmp_path, script, config, extra):
     out = tmp_path / "run"
-    from train.engine import _free_port  # parallel test workers must not share the launcher's default port
+    from train.launch import _free_port  # parallel test workers must not share the launcher's default port
 
     _run([DS, "--num_gpus", "2", "--master_port", str(_free_port()), script, "--config", config, *extra, "train.steps=3", "train.val_every=3",
           "train.ckpt_every=3", f"train.out_dir={out}"])

@@ -31,7 +31,8 @@ pytest.importorskip("transformers")
 from data.text import build_tokenizer  # noqa: E402
 from data.vlm_collate import patchify  # noqa: E402
 from data.vniah import VNIAH, vocabulary  # noqa: E402
-from models.vlm import VLM, _layout, answer_accuracy, pack_position_ids, vlm  # noqa: E402
+from models.vision_tower import _layout  # noqa: E402
+from models.vlm import VLM, answer_accuracy, pack_position_ids, vlm  # noqa: E402
 from vlpe.encodings import multimodal as mm  # noqa: E402
 from vlpe.integrations import transformers as vhf  # noqa: E402
 
@@ -186,7 +187,7 @@ def test_generate_equals_teacher_forcing(variant, tok, samples):
         model.variant, full["mm_token_type_ids"], prompt["video_grid_thw"], attention_mask=full["attention_mask"],
         spatial_merge_size=2, **options,
     )  # fmt: skip
-    full["position_ids"] = pack_position_ids(ids, full["attention_mask"], masked=model._patch.masked)
+    full["position_ids"] = pack_position_ids(ids, full["attention_mask"], masked=model.variant.masked)
     with torch.no_grad():
         given = model(full)["logits"][:, S - 1 : -1]
     torch.testing.assert_close(steps, given, atol=1e-4, rtol=0)
@@ -300,7 +301,11 @@ def test_variant_config_loads_and_builds(variant, tok):
     assert cfg.model.variant == variant
     assert cfg.train.out_dir.endswith(variant)
     model = build_model(cfg, tok)
-    assert model.variant == mm.get_variant(variant)
+    preset = mm.get_variant(variant)
+    # the preset, with the options the decoder was patched with (its mrope_section, PyPE's depth ...) filled in
+    assert (model.variant.name, model.variant.design, model.variant.allocation) == (
+        preset.name, preset.design, preset.allocation)
+    assert model.variant.design_options.items() >= preset.design_options.items()
     full = _load(ROOT / "configs" / "full" / f"{variant}.yaml")
     assert full.model.variant == variant and full.model.preset == "full"
     assert full.data.frames > cfg.data.frames and full.train.out_dir != cfg.train.out_dir

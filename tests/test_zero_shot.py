@@ -3,14 +3,11 @@
 from __future__ import annotations
 
 import json
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
 open_clip = pytest.importorskip("open_clip")
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "eval"))
 import zero_shot as zs  # noqa: E402
 
 from train.config import ConfigError, load_config  # noqa: E402

@@ -1,35 +1,85 @@
-"""Command line shared by the training scripts: ``--config FILE [section.key=value ...]``.
+"""Command line shared by the training scripts:
+``--config FILE [--deepspeed_config FILE] [section.key=value ...]``.
 
-Accepts the ``--local_rank`` the DeepSpeed launcher injects and DeepSpeed's own flags, so the same
-script runs under ``deepspeed train/X.py`` and ``python train/X.py``.
+Accepts the ``--local_rank`` the DeepSpeed launcher injects and DeepSpeed's own ``--deepspeed`` /
+``--deepspeed_config`` flags (anywhere on the line, ``--flag FILE`` or ``--flag=FILE``), so the same script runs
+under ``deepspeed train/X.py`` and ``python train/X.py``. Any other unknown flag is an error, never ignored.
+``--help`` lists every config key with its default, taken from the config class.
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
+import textwrap
 from typing import Sequence, TypeVar
 
 from .checkpoint import CheckpointError
-from .config import ConfigError, load_config, to_dict
+from .config import ConfigError, config_keys, load_config, read_mapping, to_dict
 
-__all__ = ["parse", "main_guard"]
+__all__ = ["parse", "build_parser", "main_guard", "PRECEDENCE", "LAUNCH_NOTES"]
 
 T = TypeVar("T")
+
+PRECEDENCE = (
+    "DeepSpeed settings, later wins: (1) what train.* sets (batch sizes from micro_batch x grad_accum x ranks, "
+    "gradient_clipping from grad_clip, bf16 from precision, ZeRO stage from zero_stage); (2) the --config file's "
+    "deepspeed: section; (3) the --deepspeed_config FILE (JSON or YAML, merged key by key as the deepspeed "
+    "section); (4) deepspeed.key=value overrides on the command line. Batch sizes that disagree with train.* are "
+    "an error, as is a key the installed DeepSpeed does not read and an optimizer / scheduler section (the "
+    "scripts build AdamW and the cosine schedule from train.*)."
+)
+
+LAUNCH_NOTES = (
+    "Launching: the deepspeed launcher rendezvous on port 29500; when another run holds it the launch fails with "
+    "EADDRINUSE ('address already in use'): pick another port, e.g. deepspeed --master_port 29501 train/X.py ... "
+    "(plain python train/X.py runs one process on a free port). The first deepspeed launch on a machine compiles a "
+    "CPU communication op (about 90 s); later launches reuse it. At the end the script prints where the weights "
+    "went (<out_dir>/model.safetensors and the final checkpoint). deepspeed.tensorboard.enabled=true also writes "
+    "TensorBoard events (tensorboard --logdir <out_dir>/tensorboard); metrics.jsonl stays the record."
+)
+
+
+def _keys_help(cls: type) -> str:
+    rows = config_keys(cls)
+    width = max(len(f"{k}={v}") for k, v, _ in rows)
+    lines = ["config keys and their defaults (a --config file sets its own values; override any as key=value):"]
+    for key, value, note in rows:
+        text = f"{key}={value}"
+        if key == "deepspeed":
+            note = "any DeepSpeed config key, e.g. deepspeed.tensorboard.enabled=true (see the precedence below)"
+        lines.append(f"  {text:<{width}}  {note}".rstrip())
+    return "\n".join(lines)
+
+
+def build_parser(cls: type, description: str = "") -> argparse.ArgumentParser:
+    """The parser of a training script whose config class is ``cls`` (``--help`` generated from its defaults)."""
+    epilog = "\n\n".join([_keys_help(cls), textwrap.fill(PRECEDENCE, 100), textwrap.fill(LAUNCH_NOTES, 100)])
+    parser = argparse.ArgumentParser(description=description, epilog=epilog,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    parser.add_argument("--config", required=True, help="YAML config (see configs/)")
+    parser.add_argument("--local_rank", type=int, default=-1, help=argparse.SUPPRESS)
+    parser.add_argument("--deepspeed", action="store_true",
+                        help="DeepSpeed's flag, accepted for its launch convention: these scripts always train "
+                             "through DeepSpeed")  # fmt: skip
+    parser.add_argument("--deepspeed_config", metavar="FILE", default=None,
+                        help="a DeepSpeed config (JSON or YAML), merged as the deepspeed section (precedence below)")
+    parser.add_argument("overrides", nargs="*", help="dotted overrides, e.g. train.steps=20 model.encoding=rope")
+    return parser
 
 
 def parse(cls: type[T], argv: Sequence[str] | None = None, *, description: str = "") -> tuple[T, dict]:
     """Parse the command line into a validated config of type ``cls`` (and its plain-dict form)."""
-    parser = argparse.ArgumentParser(description=description)
-    parser.add_argument("--config", required=True, help="YAML config (see configs/)")
-    parser.add_argument("--local_rank", type=int, default=-1, help=argparse.SUPPRESS)
-    parser.add_argument("overrides", nargs="*", help="dotted overrides, e.g. train.steps=20 model.encoding=rope")
-    args, unknown = parser.parse_known_args(argv)
-    # DeepSpeed's launcher may add its own flags (--deepspeed, --deepspeed_config); anything else is a typo.
-    stray = [u for u in unknown if not u.startswith("--deepspeed")]
-    if stray:
-        parser.error(f"unrecognised arguments {stray}; overrides look like section.key=value")
-    cfg = load_config(cls, args.config, args.overrides)
+    parser = build_parser(cls, description)
+    args, unknown = parser.parse_known_intermixed_args(argv)
+    if unknown:
+        parser.error(f"unrecognised arguments {unknown}; overrides look like section.key=value")
+    sections = None
+    if args.deepspeed_config is not None:
+        if "deepspeed" not in getattr(cls, "__dataclass_fields__", {}):
+            raise ConfigError(f"--deepspeed_config: {cls.__name__} has no deepspeed section to merge the file into")
+        sections = {"deepspeed": read_mapping(args.deepspeed_config, what="--deepspeed_config")}
+    cfg = load_config(cls, args.config, args.overrides, sections=sections)
     return cfg, to_dict(cfg)
 
 

@@ -19,7 +19,7 @@ from typing import Any, Sequence, TypeVar
 
 import yaml
 
-__all__ = ["ConfigError", "load_config", "from_dict", "to_dict", "parse_overrides"]
+__all__ = ["ConfigError", "load_config", "from_dict", "to_dict", "parse_overrides", "read_mapping", "config_keys"]
 
 T = TypeVar("T")
 
@@ -145,8 +145,58 @@ def _read(path: Path, seen: tuple[Path, ...] = ()) -> dict:
     return data
 
 
-def load_config(cls: type[T], path: str | Path | None, overrides: Sequence[str] = ()) -> T:
-    """Read ``path`` (YAML, safe loader), apply dotted ``overrides``, validate into ``cls``."""
+def read_mapping(path: str | Path, *, what: str) -> dict:
+    """A YAML or JSON file (safe loader) whose top level is a mapping; ``ConfigError`` naming ``what`` and the path
+    when it is missing or is not a mapping."""
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"{what} {str(path)!r} does not exist; give the path of a JSON or YAML file")
+    try:
+        data = yaml.safe_load(path.read_text())  # JSON is YAML: DeepSpeed's JSON files read as they are
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{what} {str(path)!r} is not valid JSON or YAML: {e}") from None
+    if not isinstance(data, dict):
+        kind = type(data).__name__
+        raise ConfigError(f"{what} {str(path)!r} must hold a mapping of keys at the top level, got {kind}")
+    return data
+
+
+def load_config(cls: type[T], path: str | Path | None, overrides: Sequence[str] = (), *,
+                sections: dict | None = None) -> T:  # fmt: skip
+    """Read ``path`` (YAML, safe loader), merge ``sections`` (e.g. ``{"deepspeed": {...}}`` from a
+    ``--deepspeed_config`` file) over it, then the dotted ``overrides``, and validate into ``cls``."""
     data = _read(Path(path)) if path is not None else {}
+    if sections:
+        data = _merge(data, sections)
     data = _merge(data, parse_overrides(overrides))
     return from_dict(cls, data, where=str(path) if path else "config")
+
+
+def _show(value: Any) -> str:
+    """A default as it is written in a YAML file or an override (``null``, ``true``, ``[2, 4]``, ``{}``)."""
+    text = yaml.safe_dump(value, default_flow_style=True, width=10**9).strip()
+    return text.removesuffix("...").strip()
+
+
+def config_keys(cls: type, prefix: str = "") -> list[tuple[str, str, str]]:
+    """``(dotted key, default as YAML, note)`` of every key of the config class ``cls``, from its defaults; the
+    note lists a key's allowed values (``Literal`` types)."""
+    out: list[tuple[str, str, str]] = []
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        key = f"{prefix}{f.name}"
+        if f.default is not dataclasses.MISSING:
+            default = f.default
+        elif f.default_factory is not dataclasses.MISSING:
+            default = f.default_factory()
+        else:
+            out.append((key, "(required)", ""))
+            continue
+        if dataclasses.is_dataclass(default):
+            out += config_keys(type(default), f"{key}.")
+            continue
+        tp = hints[f.name]
+        choices = [a for a in typing.get_args(tp) if typing.get_origin(tp) is typing.Literal]
+        note = f"one of {', '.join(map(str, choices))}" if choices else ""
+        out.append((key, _show(default), note))
+    return out

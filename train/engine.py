@@ -5,15 +5,18 @@ the rank variables) and plain ``python train/X.py --config ...`` (one process: t
 here). gloo on CPU, NCCL on GPU. The pieces:
 
 * :class:`TrainSection`: the ``train:`` section of every config (steps, batch, optimiser, precision,
-  ZeRO stage, validation/checkpoint cadence, resume);
-* :func:`deepspeed_config`: the DeepSpeed config dict from that section plus the YAML ``deepspeed:``
-  overrides, with the batch-size identity checked up front and explained in one line, and every key checked
-  against what the installed DeepSpeed reads (a typo is an error with a suggestion);
+  ZeRO stage, validation/checkpoint cadence, resume), :func:`setup_distributed` and :func:`deepspeed_config`
+  (the DeepSpeed config from that section and the YAML ``deepspeed:`` overrides, every key checked):
+  :mod:`train.launch`;
 * :class:`ResumableBatchSampler` + :class:`SeededDataset`: the data order and every sample's augmentation
-  are functions of (seed, step), so a resumed run sees exactly the batches an uninterrupted run would;
+  are functions of (seed, step), so a resumed run sees exactly the batches an uninterrupted run would:
+  :mod:`train.data_order`;
 * :func:`fit`: the loop, with JSON-lines metrics, tqdm on rank 0, validation every N steps, checkpoints
   every N steps (model, optimizer, scheduler, data position, RNG, the model signature) and a safetensors
-  export at the end (the model signature in its metadata).
+  export at the end (the model signature in its metadata), whose path it prints. With
+  ``deepspeed.tensorboard.enabled=true`` every metrics record also goes to DeepSpeed's monitor
+  (:func:`monitor_events`; events under ``<out_dir>/tensorboard`` unless ``output_path`` / ``job_name`` say
+  otherwise); ``metrics.jsonl`` stays the record.
 
 Resuming (``train.resume=auto`` or a checkpoint directory) loads through :class:`train.checkpoint.
 SafeCheckpointEngine` (``weights_only=True``: a checkpoint never unpickles arbitrary objects), refuses a
@@ -30,20 +33,16 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import random
 import re
-import socket
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterator, Literal
+from typing import Callable
 
-import numpy as np
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.utils.data import DataLoader, Dataset, Sampler
+from torch.utils.data import DataLoader, Dataset
 
 from .checkpoint import (
     MARKER,
@@ -60,7 +59,9 @@ from .checkpoint import (
     step_of,
     tag_for,
 )
-from .config import ConfigError, _suggest
+from .config import ConfigError
+from .data_order import ResumableBatchSampler, SeededDataset, move_to
+from .launch import TrainSection, check_out_dir, deepspeed_config, seed_everything, setup_distributed
 
 __all__ = [
     "TrainSection",
@@ -73,279 +74,10 @@ __all__ = [
     "export_weights",
     "seed_everything",
     "check_out_dir",
+    "monitor_events",
 ]
 
 
-@dataclass(kw_only=True)
-class TrainSection:
-    """The ``train:`` section common to every training script."""
-
-    steps: int = 200
-    micro_batch: int = 32  # per rank
-    grad_accum: int = 1
-    lr: float = 1e-3
-    min_lr: float = 1e-5
-    warmup_steps: int = 10
-    weight_decay: float = 0.05
-    grad_clip: float = 1.0
-    seed: int = 0
-    precision: Literal["auto", "fp32", "bf16"] = "auto"  # auto: bf16 on GPU, fp32 on CPU
-    zero_stage: int = 0
-    val_every: int = 50
-    val_batches: int = 20  # per rank, per validation
-    ckpt_every: int = 50
-    keep_checkpoints: int = 2
-    log_every: int = 10
-    out_dir: str = "runs/default"
-    resume: str = "none"  # "none" | "auto" (latest complete checkpoint) | a checkpoint directory
-    num_workers: int = 0
-    progress: bool = True
-
-    def __post_init__(self) -> None:
-        for name in ("steps", "micro_batch", "grad_accum", "val_every", "val_batches", "ckpt_every", "log_every"):
-            if getattr(self, name) < 1:
-                raise ConfigError(f"train.{name} must be >= 1, got {getattr(self, name)}")
-        if not self.out_dir.strip():
-            raise ConfigError("train.out_dir must name a directory for the run's outputs, got an empty string")
-        if self.zero_stage not in (0, 1, 2, 3):
-            raise ConfigError(f"train.zero_stage must be 0, 1, 2 or 3, got {self.zero_stage}")
-
-
-# --------------------------------------------------------------------------- distributed
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def setup_distributed() -> tuple[int, int, torch.device]:
-    """Initialise the process group (launcher or single process); returns (rank, world, device)."""
-    import deepspeed
-
-    if "WORLD_SIZE" not in os.environ:  # plain `python train/X.py`: a one-process group
-        os.environ.update(
-            MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0"
-        )
-    cuda = torch.cuda.is_available()
-    if not dist.is_initialized():
-        deepspeed.init_distributed(dist_backend="nccl" if cuda else "gloo", verbose=False)
-    rank, world = dist.get_rank(), dist.get_world_size()
-    local = int(os.environ.get("LOCAL_RANK", 0))
-    if cuda:
-        torch.cuda.set_device(local)
-        return rank, world, torch.device("cuda", local)
-    return rank, world, torch.device("cpu")
-
-
-def deepspeed_config(train: TrainSection, overrides: dict, *, world: int, device: torch.device) -> dict:
-    """The DeepSpeed config: batch sizes and precision from ``train``, then the YAML's ``deepspeed:`` keys."""
-    precision = train.precision
-    if precision == "auto":
-        precision = "bf16" if device.type == "cuda" else "fp32"
-    cfg: dict[str, Any] = {
-        "train_micro_batch_size_per_gpu": train.micro_batch,
-        "gradient_accumulation_steps": train.grad_accum,
-        "train_batch_size": train.micro_batch * train.grad_accum * world,
-        "gradient_clipping": train.grad_clip,
-        "zero_optimization": {"stage": train.zero_stage},
-        "steps_per_print": 10**9,
-        "wall_clock_breakdown": False,
-    }
-    if precision == "bf16":
-        cfg["torch_autocast"] = {"enabled": True, "dtype": "torch.bfloat16"}
-    cfg = _deep_merge(cfg, overrides or {})
-    _check_deepspeed_keys(cfg, overrides or {}, world=world)
-    micro, acc, total = (
-        cfg["train_micro_batch_size_per_gpu"],
-        cfg["gradient_accumulation_steps"],
-        cfg["train_batch_size"],
-    )
-    if micro * acc * world != total:
-        raise ConfigError(
-            f"deepspeed batch sizes disagree: train_batch_size={total} but micro_batch {micro} x grad_accum {acc} "
-            f"x world size {world} = {micro * acc * world}; drop deepspeed.train_batch_size or set it to "
-            f"{micro * acc * world}"
-        )
-    return cfg
-
-
-#: top-level keys DeepSpeed reads outside ``DeepSpeedConfig._initialize_params`` (engine features, launchers)
-_DEEPSPEED_READ_ELSEWHERE = frozenset(
-    {
-        "amp", "compression_training", "curriculum_learning", "eigenvalue", "elasticity", "graph_harvesting",
-        "load_universal_checkpoint", "nebula", "quantize_training", "sequence_parallel_size", "sparse_attention",
-        "use_node_local_storage",
-    }
-)  # fmt: skip
-
-
-def _check_deepspeed_keys(cfg: dict, overrides: dict, *, world: int) -> None:
-    """``ConfigError`` for a ``deepspeed:`` key the installed DeepSpeed does not read, or a nested value its
-    config models reject (their pydantic errors, said in one paragraph).
-
-    The known keys are those DeepSpeed's own parser looks up (recorded while it parses ``cfg``) plus
-    :data:`_DEEPSPEED_READ_ELSEWHERE`, so the check follows the installed version.
-    """
-    from deepspeed.runtime.config import DeepSpeedConfig
-
-    seen: set[str] = set()
-
-    class _Recording(dict):
-        def __getitem__(self, key):
-            seen.add(key)
-            return super().__getitem__(key)
-
-        def get(self, key, default=None):
-            seen.add(key)
-            return super().get(key, default)
-
-        def __contains__(self, key):
-            seen.add(key)
-            return super().__contains__(key)
-
-        def __copy__(self):
-            return self
-
-    probe = DeepSpeedConfig.__new__(DeepSpeedConfig)
-    probe._param_dict, probe.global_rank, probe.world_size = _Recording(cfg), 0, world
-    try:
-        probe._initialize_params(probe._param_dict)
-    except Exception as e:  # noqa: BLE001 - DeepSpeed's config models raise pydantic / assertion errors
-        if type(e).__name__ != "ValidationError":
-            return  # not a schema error: DeepSpeed itself reports it when the engine starts
-        lines = [ln.strip() for ln in str(e).splitlines() if ln.strip() and not ln.strip().startswith("For further")]
-        raise ConfigError(f"deepspeed: {' | '.join(lines)}") from None
-    known = seen | _DEEPSPEED_READ_ELSEWHERE
-    unknown = [k for k in overrides if k not in known]
-    if unknown:
-        k = unknown[0]
-        raise ConfigError(
-            f"deepspeed: unknown key {k!r}{_suggest(k, sorted(known))}; the installed DeepSpeed reads: "
-            f"{', '.join(sorted(known))}"
-        )
-
-
-def check_out_dir(out_dir: str | Path) -> Path:
-    """``out_dir`` as a Path; ``ConfigError`` when it, or a folder above it, exists as a file."""
-    out = Path(out_dir)
-    for p in (out, *out.parents):
-        if p.exists():
-            if not p.is_dir():
-                what = "is a file" if p == out else f"lies under {p}, which is a file"
-                raise ConfigError(f"train.out_dir={str(out)!r} {what}; choose a directory path")
-            break
-    return out
-
-
-def _deep_merge(a: dict, b: dict) -> dict:
-    out = dict(a)
-    for k, v in b.items():
-        out[k] = _deep_merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
-    return out
-
-
-def seed_everything(seed: int) -> None:
-    """Seed torch, numpy and random: call before building the model so its initialisation is reproducible."""
-    torch.manual_seed(seed)
-    np.random.seed(seed % 2**32)
-    random.seed(seed)
-
-
-# --------------------------------------------------------------------------- data order
-def _mix(*xs: int) -> int:
-    """A stable 63-bit hash of integers (splitmix64 rounds), for per-sample seeds."""
-    h = 0x9E3779B97F4A7C15
-    for x in xs:
-        h = (h ^ (x & 0xFFFFFFFFFFFFFFFF)) * 0xBF58476D1CE4E5B9 & 0xFFFFFFFFFFFFFFFF
-        h ^= h >> 31
-    return h & 0x7FFFFFFFFFFFFFFF
-
-
-class ResumableBatchSampler(Sampler[list[tuple[int, int]]]):
-    """Micro-batches of ``(index, sample_seed)`` for one rank, a pure function of (seed, micro step).
-
-    The global sample stream is the concatenation of per-epoch permutations (seeded by ``seed`` and the
-    epoch); micro step ``s`` of rank ``r`` takes its slice of global micro step ``s``. Starting at
-    ``start`` reproduces exactly what an uninterrupted run yields from that point.
-    """
-
-    def __init__(self, n: int, *, micro_batch: int, rank: int, world: int, seed: int, start: int, total: int) -> None:
-        if n < 1:
-            raise ValueError("the training dataset is empty")
-        self.n, self.micro, self.rank, self.world = n, micro_batch, rank, world
-        self.seed, self.start, self.total = seed, start, total
-
-    def _perm(self, epoch: int) -> torch.Tensor:
-        g = torch.Generator().manual_seed(_mix(self.seed, epoch))
-        return torch.randperm(self.n, generator=g)
-
-    def __len__(self) -> int:
-        return max(0, self.total - self.start)
-
-    def __iter__(self) -> Iterator[list[tuple[int, int]]]:
-        per_step = self.micro * self.world
-        cache: dict[int, torch.Tensor] = {}
-        for s in range(self.start, self.total):
-            first = s * per_step + self.rank * self.micro
-            batch = []
-            for j in range(first, first + self.micro):
-                epoch, i = divmod(j, self.n)
-                if epoch not in cache:
-                    cache.clear()
-                    cache[epoch] = self._perm(epoch)
-                batch.append((int(cache[epoch][i]), _mix(self.seed, j)))
-            yield batch
-
-
-class SeededDataset(Dataset):
-    """Wraps a dataset so item ``(index, seed)`` is produced with every RNG seeded from ``seed``.
-
-    Random augmentation then depends only on the sample's place in the stream, not on worker count or
-    history; the caller's RNG state is restored afterwards.
-    """
-
-    def __init__(self, base: Dataset) -> None:
-        self.base = base
-
-    def __len__(self) -> int:
-        return len(self.base)  # type: ignore[arg-type]
-
-    def __getitem__(self, item: tuple[int, int]):
-        return self.__getitems__([item])[0]
-
-    def __getitems__(self, items: list[tuple[int, int]]) -> list:
-        """The items of a whole micro-batch (the ``DataLoader`` asks for them at once): every item is produced
-        right after seeding the CPU torch, numpy and Python RNGs from its own seed, and the caller's states are
-        saved and restored once per batch rather than once per item (the same items, the same states after).
-        Only the CPU generator is seeded (``torch.manual_seed`` would also reseed every accelerator's, at
-        ~0.1 ms per call, and ``fork_rng(devices=[])`` restores the CPU one only)."""
-        np_state, py_state = np.random.get_state(), random.getstate()
-        with torch.random.fork_rng(devices=[]):
-            try:
-                out = []
-                for index, seed in items:
-                    torch.default_generator.manual_seed(seed)
-                    np.random.seed(seed % 2**32)
-                    random.seed(seed)
-                    out.append(self.base[index])
-                return out
-            finally:
-                np.random.set_state(np_state)
-                random.setstate(py_state)
-
-
-def move_to(batch: Any, device: torch.device) -> Any:
-    """Tensors (and objects with ``.to``, e.g. ``vlpe.Positions``) in nested dicts/lists to ``device``."""
-    if isinstance(batch, torch.Tensor) or hasattr(batch, "to") and not isinstance(batch, (str, bytes, nn.Module)):
-        return batch.to(device)
-    if isinstance(batch, dict):
-        return {k: move_to(v, device) for k, v in batch.items()}
-    if isinstance(batch, (list, tuple)):
-        return type(batch)(move_to(v, device) for v in batch)
-    return batch
-
-
-# --------------------------------------------------------------------------- optimiser
 def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
     """AdamW groups: no decay for biases, norms, embeddings/tokens and encodings' ``no_weight_decay`` names."""
     skip: set[str] = set()
@@ -376,7 +108,6 @@ def cosine_schedule(train: TrainSection) -> Callable[[int], float]:
     return f
 
 
-# --------------------------------------------------------------------------- export
 def export_weights(module: nn.Module, path: Path, *, zero_stage: int, metadata: dict[str, str] | None = None) -> None:
     """Full fp32 weights to ``path`` (safetensors, with string ``metadata``) on rank 0; gathers ZeRO-3
     partitions first."""
@@ -396,7 +127,6 @@ def export_weights(module: nn.Module, path: Path, *, zero_stage: int, metadata: 
         tmp.replace(path)
 
 
-# --------------------------------------------------------------------------- the loop
 @dataclass
 class FitResult:
     step: int
@@ -486,6 +216,8 @@ def fit(
         if rank == 0:
             with metrics_path.open("a") as f:
                 f.write(json.dumps(record) + "\n")
+        if engine.monitor.enabled:  # DeepSpeed's monitors (TensorBoard, CSV, ...): the same numbers, by step
+            engine.monitor.write_events(monitor_events(record))
 
     step = start
     window_loss, window_n, window_tokens, t0 = 0.0, 0, 0, time.perf_counter()
@@ -531,8 +263,23 @@ def fit(
         metadata={METADATA_KEY: json.dumps(signature, sort_keys=True)},
     )  # fmt: skip
     dist.barrier()
+    tb = getattr(engine.monitor, "tb_monitor", None)
+    if tb is not None and tb.summary_writer is not None:
+        tb.summary_writer.close()
+    if rank == 0:
+        final = ckpt_dir / tag_for(step)
+        print(f"[train] weights: {(out_dir / 'model.safetensors').resolve()} (final checkpoint: {final.resolve()})",
+              flush=True)  # fmt: skip
     result.step = step
     return result
+
+
+def monitor_events(record: dict) -> list[tuple[str, float, int]]:
+    """DeepSpeed monitor events ``(tag, value, step)`` of one ``metrics.jsonl`` record: ``<split>/<key>`` for
+    every number in it (``train/loss``, ``train/lr``, ``train/samples_per_s``, ``val/acc`` ...)."""
+    split, step = record["split"], int(record["step"])
+    return [(f"{split}/{k}", float(v), step) for k, v in record.items()
+            if k not in ("split", "step") and isinstance(v, (int, float)) and not isinstance(v, bool)]  # fmt: skip
 
 
 def _resume_checkpoint(train: TrainSection, ckpt_dir: Path, *, world: int, rank: int, signature: dict) -> Path | None:

@@ -29,6 +29,11 @@ tests/test_fast_attention.py. FlexAttention's compiled CPU forward was measured 
 (``benchmarks/encoding_cost.py --layer --flex``), so it is not the CPU fast path.
 
 The softmax scale is ``head_dim ** -0.5`` of the q/k *as given*, before any ``widen`` features.
+
+Which hooks run is read from the plan of ``enc.prepare(pos)`` (``ctx.plan[layer]``), never from the class; the
+contract a hand-written block follows is in :mod:`vlpe.encodings.plan`. The fast path lives in
+:mod:`vlpe.attention_fast`, the FlexAttention path (and the dense ``score_mod`` fallback) in
+:mod:`vlpe.attention_flex`.
 """
 
 from __future__ import annotations
@@ -39,12 +44,14 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .encodings.base import Context, Encoding, LatticeBias
+from .attention_fast import _combine, fast_attention, fast_blocker
+from .attention_flex import dense_score_mod, flex_attend
+from .encodings.base import Context, Encoding
 from .positions import Positions
 
 __all__ = [
     "attend", "attention_logits", "Attention", "dense_score_mod", "Backend", "check_qkv", "FAST_MIN_TOKENS",
-    "FAST_BIAS_BYTES",
+    "MAX_BIAS_BYTES",
 ]
 
 Backend = Literal["sdpa", "eager", "flex"]
@@ -54,8 +61,6 @@ BACKENDS = ("sdpa", "eager", "flex")
 MAX_BIAS_BYTES = 16 * 2**20
 #: The inference fast path is taken automatically from this many tokens on (see the module docstring).
 FAST_MIN_TOKENS = 1024
-#: Largest bias (bytes) of one head and query chunk on the fast path: small enough to stay in cache.
-FAST_BIAS_BYTES = 4 * 2**20
 
 
 def _key_padding(ctx: Context | None, dtype: torch.dtype) -> Tensor | None:
@@ -119,15 +124,6 @@ def check_qkv(
             raise ValueError(f"{who}: attn_mask {_shape(attn_mask)} must broadcast to (B, H, N, N) = {target}")
 
 
-def _combine(*biases: Tensor | None) -> Tensor | None:
-    out = None
-    for b in biases:
-        if b is None:
-            continue
-        out = b if out is None else out + b
-    return out
-
-
 def _row_chunks(q: Tensor, n_keys: int, heads: int, max_bytes: int) -> list[slice]:
     n = q.shape[-2]
     per_row = max(1, q.shape[0] * heads * n_keys * 4)
@@ -172,30 +168,33 @@ def attend(
     check_qkv(q, k, v, enc=enc, ctx=ctx, who=f"{type(enc).__name__ if enc is not None else ''} attention".strip(),
               attn_mask=attn_mask)
     scale = q.shape[-1] ** -0.5 if scale is None else scale
-    if enc is not None:
-        q, k = enc.rotate(q, k, ctx, layer)
-        q, k = enc.widen(q, k, ctx, layer)
+    step = ctx.plan[layer] if enc is not None else None  # which pieces this layer has (the plan, as data)
+    if step is not None:
+        if step.rotate:
+            q, k = enc.rotate(q, k, ctx, layer)
+        if step.widen:
+            q, k = enc.widen(q, k, ctx, layer)
     if attn_mask is not None and attn_mask.dtype == torch.bool:
         attn_mask = torch.zeros(attn_mask.shape, dtype=q.dtype, device=q.device).masked_fill(~attn_mask, float("-inf"))
     pad = _key_padding(ctx, q.dtype)
-    has_score = enc is not None and enc.uses("score")
-    has_values = enc is not None and enc.uses("values")
+    has_score = step is not None and step.score
+    has_values = step is not None and step.values
     if has_values and backend != "eager":
         backend = "eager" if backend == "sdpa" else backend
         if backend == "flex":
             raise ValueError(f"{type(enc).__name__} has a values term, which needs the eager backend, not flex")
 
     if (has_score or q.shape[-1] != v.shape[-1]) and fast is not False:
-        why = _fast_blocker(backend, has_values, attn_mask, is_causal, dropout_p, enc, (q, k, v))
+        why = fast_blocker(backend, has_values, attn_mask, is_causal, dropout_p, enc, (q, k, v))
         if fast and why:
             raise ValueError(f"attend(fast=True): the inference fast path does not apply: {why}")
         if why is None and (fast or q.shape[-2] >= FAST_MIN_TOKENS):
-            out = _fast_attention(q, k, v, enc, ctx, layer, scale, pad)
+            out = _fast_attention(q, k, v, enc, ctx, step, layer, scale, pad)
             if out is not None:
                 return out
 
     if backend == "flex":
-        return _flex(q, k, v, enc, ctx, layer, scale, _combine(attn_mask, pad), is_causal)
+        return flex_attend(q, k, v, enc, ctx, step, layer, scale, _combine(attn_mask, pad), is_causal)
 
     static = _combine(attn_mask, pad)
     if not has_score and not has_values and backend == "sdpa":
@@ -238,162 +237,8 @@ def _rows(mask: Tensor, rows: slice, n_q: int) -> Tensor:
     return mask[..., rows, :] if mask.shape[-2] == n_q else mask
 
 
-# --------------------------------------------------------------------------- inference fast path
-def _needs_grad(enc: Encoding | None, tensors: tuple[Tensor, ...]) -> bool:
-    if not torch.is_grad_enabled():
-        return False
-    if any(t.requires_grad for t in tensors):
-        return True
-    return enc is not None and any(p.requires_grad for p in enc.parameters())
+_fast_attention = fast_attention  # module attribute: tests replace it to check which path is taken
 
-
-def _fast_blocker(backend, has_values, attn_mask, is_causal, dropout_p, enc, tensors) -> str | None:
-    """Why the fast path cannot run this call (None: it can)."""
-    if backend != "sdpa":
-        return f"it is an SDPA path, the backend is {backend!r}"
-    if has_values:
-        return f"{type(enc).__name__} has a values term (eager backend)"
-    if attn_mask is not None or is_causal:
-        return "it takes no attn_mask / is_causal (the encoding's bias and key padding only)"
-    if dropout_p:
-        return "it has no attention dropout"
-    if _needs_grad(enc, tensors):
-        return "it is for inference: something needs gradients (use torch.no_grad() / inference_mode())"
-    return None
-
-
-def _fast_attention(q, k, v, enc, ctx, layer, scale, pad) -> Tensor | None:
-    """The fast path (module docstring): lattice tables, else per-head builders; None: neither is offered.
-
-    Widened q/k (``widen``, PaPE) have more channels than v; SDPA's fused CPU kernel needs one width (else
-    it falls back to the math kernel, which holds the (B, H, N, N) attention), so v gets zero channels: they
-    change neither the attention nor the first ``Dv`` output channels, which are returned.
-    """
-    Dq, Dv = q.shape[-1], v.shape[-1]
-    if Dq != Dv:
-        width = max(Dq, Dv)
-        q, k = (F.pad(t, (0, width - Dq)) for t in (q, k)) if Dq < width else (q, k)
-        v = F.pad(v, (0, width - Dv)) if Dv < width else v
-        if enc is None or not enc.uses("score"):
-            return F.scaled_dot_product_attention(q, k, v, attn_mask=pad, scale=scale)[..., :Dv]
-        out = _fast_attention(q, k, v, enc, ctx, layer, scale, pad)
-        return None if out is None else out[..., :Dv]
-    pos = ctx.pos
-    if pad is None and pos.grid is not None and len(pos.grid) == 2:  # the encoding checks pos.lattice if it must
-        lat = enc.lattice_bias(ctx, layer)
-        if lat is not None:
-            return _lattice_attention(q, k, v, lat, pos, scale)
-    return _head_attention(q, k, v, enc, ctx, layer, scale, pad)
-
-
-def _head_attention(q, k, v, enc, ctx, layer, scale, pad) -> Tensor | None:
-    """SDPA per query chunk and head with the bias of :meth:`Encoding.score_heads`; None when not offered.
-
-    Query chunks hold at most :data:`FAST_BIAS_BYTES` of one head's bias; each chunk's shared work is done once
-    by ``score_heads``, then each head's bias is built and read at once.
-    """
-    B, H, N, _ = q.shape
-    n_k = k.shape[-2]
-    step = max(1, min(N, FAST_BIAS_BYTES // max(1, B * n_k * q.element_size())))
-    out = None
-    for start in range(0, N, step):
-        rows = slice(start, min(start + step, N))
-        qr = q[:, :, rows]  # (B, H, n, D)
-        build = enc.score_heads(qr, k, ctx, layer, rows)
-        if build is None:
-            return None  # first chunk: the encoding offers no per-head bias
-        if out is None:
-            out = q.new_empty(B, H, N, v.shape[-1])
-        for h in range(H):
-            heads = slice(h, h + 1)
-            mask = _combine(build(heads), pad)  # (B', 1, n, N)
-            if mask is not None and mask.dtype != q.dtype:
-                mask = mask.to(q.dtype)
-            out[:, heads, rows] = F.scaled_dot_product_attention(
-                qr[:, heads], k[:, heads], v[:, heads], attn_mask=mask, scale=scale
-            )
-    return out
-
-
-#: half-plane -> (transpose, flip rows): the frame in which that half-plane is "key row <= query row"
-_FRAMES = {None: (False, False), "up": (False, False), "down": (False, True), "left": (True, False),
-           "right": (True, True)}  # fmt: skip
-
-
-def _to_frame(x: Tensor, h: int, w: int, transpose: bool, flip: bool) -> Tensor:
-    """Patch tokens ``(B, h w, D)`` in row-major grid order as the frame's grid ``(B, h', w', D)``."""
-    x = x.unflatten(1, (h, w))
-    if transpose:
-        x = x.transpose(1, 2)
-    return x.flip(1) if flip else x
-
-
-def _lattice_attention(q, k, v, lat: LatticeBias, pos: Positions, scale) -> Tensor:
-    """SDPA per head and chunk of query rows with the bias read off the lattice table ``lat``.
-
-    Per head the grid is seen in the frame (transposed and/or row-flipped) where its masked half-plane
-    is "key row <= query row". In that frame queries go in reverse raster order, so the entry of query
-    ``(h'-1-a, w'-1-b)`` and key ``(r, c)`` is ``table'[a + r, b + c]``: one strided view of the table, copied
-    (float tables) or gathered from the chunk's ``lat.values`` (bucket tables) chunk by chunk into the mask.
-    A chunk of query rows whose lowest row is ``h'-1-a`` sees keys of rows ``<= h'-1-a`` only, so only those
-    (a contiguous prefix of the keys) are passed. Prefix queries see one bias on every key and attend
-    without it; patch queries get the prefix bias on prefix keys (the :class:`LatticeBias` contract).
-    Checked against the reference path in tests/test_fast_attention.py.
-    """
-    B, H, N, D = q.shape
-    Dv = v.shape[-1]
-    P = pos.prefix
-    h, w = pos.grid
-    out = q.new_empty(B, H, N, Dv)
-    if P:  # prefix queries: the same bias on every key, which softmax ignores
-        out[:, :, :P] = F.scaled_dot_product_attention(q[:, :, :P], k, v, scale=scale)
-    Bm = B if lat.values is not None else 1  # bucket tables: per-sample bias (it reads the queries)
-    esize = q.element_size()
-    chunk_rows = {wf: max(1, FAST_BIAS_BYTES // (esize * Bm * wf * N)) for wf in (h, w)}  # frame rows per chunk
-    buf = q.new_empty(max(Bm * r * wf * N for wf, r in chunk_rows.items()))
-    for head in range(H):
-        plane = lat.half_planes[head]
-        tr, fl = _FRAMES[plane]
-        hf, wf = (w, h) if tr else (h, w)
-        t = lat.table[head if lat.table.shape[0] > 1 else 0]  # (2h-1, 2w-1) at key-minus-query offsets
-        t = t.transpose(0, 1) if tr else t
-        t = t.flip(0) if fl else t
-        t = t.contiguous() if lat.values is not None else t.to(q.dtype).contiguous()  # (2hf-1, 2wf-1), frame
-        stride = 2 * wf - 1
-        windows = t.as_strided((hf, wf, hf, wf), (stride, 1, stride, 1))  # [a, b, r, c] = t[a + r, b + c]
-        if lat.values is None:
-            pre = 0.0 if lat.prefix_bias is None else lat.prefix_bias[head if lat.prefix_bias.numel() > 1 else 0]
-        if plane is None:
-            kf, vf = k[:, head], v[:, head]  # (B, N, D): identity frame, prefix first
-        else:
-            kf = torch.cat([k[:, head, :P], _to_frame(k[:, head, P:], h, w, tr, fl).flatten(1, 2)], dim=1)
-            vf = torch.cat([v[:, head, :P], _to_frame(v[:, head, P:], h, w, tr, fl).flatten(1, 2)], dim=1)
-        qf = _to_frame(q[:, head, P:], h, w, tr, fl).flip(1, 2).flatten(1, 2)  # (B, h w, D) reverse raster
-        of = q.new_empty(B, hf * wf, Dv)
-        step = chunk_rows[wf]
-        for a in range(0, hf, step):
-            e = min(hf, a + step)
-            m = (e - a) * wf
-            kr = hf - a if plane is not None else hf  # frame rows of keys this chunk can see
-            nk = P + kr * wf
-            mask = buf[: Bm * m * nk].view(Bm, m, nk)
-            qc = qf[:, a * wf : e * wf]  # (B, m, D)
-            if lat.values is None:
-                mask[:, :, :P] = pre
-                mask[:, :, P:].view(1, e - a, wf, kr, wf).copy_(windows[None, a:e, :, :kr])
-            else:
-                vals = lat.values(qc, head).to(q.dtype)  # (B, m, K)
-                mask[:, :, :P] = vals[..., lat.prefix_bucket, None]
-                src = vals.view(B, e - a, wf, 1, -1).expand(B, e - a, wf, kr, vals.shape[-1])
-                idx = windows[None, a:e, :, :kr].expand(B, e - a, wf, kr, wf)
-                torch.gather(src, -1, idx, out=mask[:, :, P:].view(B, e - a, wf, kr, wf))
-            of[:, a * wf : e * wf] = F.scaled_dot_product_attention(
-                qc[:, None], kf[:, None, :nk], vf[:, None, :nk], attn_mask=mask[:, None], scale=scale
-            )[:, 0]
-        o = of.unflatten(1, (hf, wf))
-        o = o.flip(2) if fl else o.flip(1, 2)  # reverse raster -> frame raster -> grid rows
-        out[:, head, P:].unflatten(1, (h, w)).copy_(o.transpose(1, 2) if tr else o)
-    return out
 
 
 def attention_logits(enc: Encoding, q: Tensor, k: Tensor, pos: Positions, layer: int = 0) -> Tensor:
@@ -404,61 +249,17 @@ def attention_logits(enc: Encoding, q: Tensor, k: Tensor, pos: Positions, layer:
     ctx = enc.prepare(pos)
     check_qkv(q, k, None, enc=enc, ctx=ctx, who=f"{type(enc).__name__} attention_logits")
     scale = q.shape[-1] ** -0.5
-    q, k = enc.rotate(q, k, ctx, layer)
-    q, k = enc.widen(q, k, ctx, layer)
+    step = ctx.plan[layer]
+    if step.rotate:
+        q, k = enc.rotate(q, k, ctx, layer)
+    if step.widen:
+        q, k = enc.widen(q, k, ctx, layer)
     logits = (q @ k.transpose(-2, -1)) * scale  # (B, H, N, N)
-    bias = enc.score(q, k, ctx, layer, rows=None)
+    bias = enc.score(q, k, ctx, layer, rows=None) if step.score else None
     if bias is not None:
         logits = logits + bias.to(logits.dtype)
     pad = _key_padding(ctx, logits.dtype)
     return logits if pad is None else logits + pad
-
-
-# --------------------------------------------------------------------------- flex
-def dense_score_mod(enc: Encoding, q: Tensor, k: Tensor, ctx: Context, layer: int):
-    """A FlexAttention ``score_mod`` reading the encoding's dense bias (fine for small N)."""
-    bias = enc.score(q, k, ctx, layer, rows=None)
-    if bias is None:
-        return None
-    bias = bias.expand(q.shape[0], q.shape[1], q.shape[2], k.shape[2]).contiguous()  # (B, H, N, N)
-
-    def score_mod(score, b, h, q_idx, kv_idx):
-        return score + bias[b, h, q_idx, kv_idx].to(score.dtype)
-
-    return score_mod
-
-
-_compiled_flex = None
-
-
-def _flex(q, k, v, enc, ctx, layer, scale, static, is_causal):
-    global _compiled_flex
-    from torch.nn.attention.flex_attention import flex_attention
-
-    if q.device.type == "cpu" and torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
-        raise ValueError(
-            "FlexAttention has no backward on CPU in this torch; use backend='sdpa' (or 'eager') for CPU training"
-        )
-    if _compiled_flex is None:
-        _compiled_flex = torch.compile(flex_attention, dynamic=False)
-    mods = []
-    block_mask = None
-    if enc is not None and enc.uses("score"):
-        sm, block_mask = enc.flex(q, k, ctx, layer)
-        if sm is not None:
-            mods.append(sm)
-    if static is not None:
-        st = static.expand(q.shape[0], q.shape[1], q.shape[2], k.shape[2]).contiguous()
-        mods.append(lambda score, b, h, qi, ki: score + st[b, h, qi, ki].to(score.dtype))
-    if is_causal:
-        mods.append(lambda score, b, h, qi, ki: torch.where(qi >= ki, score, float("-inf")))
-
-    def score_mod(score, b, h, q_idx, kv_idx):
-        for m in mods:
-            score = m(score, b, h, q_idx, kv_idx)
-        return score
-
-    return _compiled_flex(q, k, v, score_mod=score_mod if mods else None, block_mask=block_mask, scale=scale)
 
 
 # --------------------------------------------------------------------------- module

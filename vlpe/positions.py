@@ -16,6 +16,9 @@ Conventions:
       grid, so the offset between two tokens is their grid offset. A host-side fact (no tensor is read);
       bias encodings use it for offset tables (:class:`vlpe.encodings.LatticeBias`). Any other constructor,
       ``with_coords``, ``shifted`` and ``replace`` give ``lattice=False``.
+    * The constructor never reads a tensor back to the host (it runs on every forward): it checks shapes,
+      dtypes and sizes only. :meth:`Positions.validate` does the checks that read values (finite
+      coordinates); data loaders and tests call it, the forward path does not.
 """
 
 from __future__ import annotations
@@ -97,17 +100,11 @@ class Positions:
     ) -> None:
         coords = _as_coords(coords)
         B, N, A = coords.shape
-        if not torch.isfinite(coords).all():
-            raise ValueError(
-                "Positions got NaN or infinite coordinates; every coordinate must be finite "
-                "(mark padding tokens with `valid=` instead of NaN)"
-            )
         prefix = whole(prefix, "prefix (the number of prefix tokens)")
         if prefix < 0 or prefix > N:
             raise ValueError(f"prefix must be in [0, N={N}] (the number of tokens), got {prefix}")
-        if prefix and bool((coords[:, :prefix] != 0).any()):
-            coords = coords.clone()
-            coords[:, :prefix] = 0  # prefix tokens have no coordinates (documented convention)
+        if prefix:  # prefix tokens have no coordinates (documented convention); no read-back to test for it
+            coords = torch.cat([coords.new_zeros(B, prefix, A), coords[:, prefix:]], dim=1)  # (B, N, A)
         if grid is not None:
             grid = tuple(whole(g, f"grid size {g!r} of grid {tuple(grid)}") for g in grid)
             if any(g < 1 for g in grid) or math.prod(grid) != N - prefix:
@@ -247,6 +244,20 @@ class Positions:
         coords = self.coords.clone()
         coords[:, self.prefix :] = coords[:, self.prefix :] + off
         return self.with_coords(coords)
+
+    def validate(self) -> "Positions":
+        """Checks that read tensor values (a host sync; not for the forward path): every coordinate is finite.
+
+        Returns ``self``; raises ``ValueError`` naming the first bad sample.
+        """
+        bad = ~torch.isfinite(self.coords).all(dim=-1).all(dim=-1)  # (B,)
+        if bool(bad.any()):
+            b = int(bad.nonzero()[0, 0])
+            raise ValueError(
+                f"Positions got NaN or infinite coordinates (sample {b}); every coordinate must be finite "
+                "(mark padding tokens with `valid=` instead of NaN)"
+            )
+        return self
 
     def check(self, num_tokens: int, *, num_axes: int | Sequence[int] | None = None, who: str = "encoding") -> None:
         """Raise ``ValueError`` unless these positions describe ``num_tokens`` tokens with an allowed axis count."""

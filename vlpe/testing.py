@@ -23,12 +23,14 @@ import torch
 from torch import Tensor
 
 from .attention import attend, attention_logits
-from .encodings import build
+from .encodings import build, get
 from .encodings.base import Encoding
 from .positions import Positions
 
 __all__ = [
     "CHECKS",
+    "example",
+    "examples",
     "PropertyFailure",
     "check",
     "check_scaling",
@@ -37,6 +39,7 @@ __all__ = [
     "probe",
     "effects",
     "random_qk",
+    "randomize_parameters",
     "sample_positions",
     "grid_positions",
 ]
@@ -50,6 +53,33 @@ def _close(a: Tensor, b: Tensor, atol: float, what: str) -> None:
     err = (a.double() - b.double()).abs().max().item() if a.numel() else 0.0
     if not math.isfinite(err) or err > atol:
         raise PropertyFailure(f"{what}: max abs difference {err:.3g} > {atol:.1g}")
+
+
+def example(name: str, *, dim: int = 64, num_heads: int = 4, depth: int = 2, **overrides) -> Encoding:
+    """The encoding ``name`` in its declared example configuration (``Encoding.example``), at a small size:
+    what the property kit, the demo and the benchmarks run. ``overrides`` replace example options."""
+    cls = get(name)
+    opts = {**cls.example, **overrides}
+    if "num_axes" not in opts and cls.supported_axes:
+        opts["num_axes"] = cls.supported_axes[0]
+    return build(name, dim=dim, num_heads=num_heads, depth=depth, **opts)
+
+
+def examples(name: str, **kwargs) -> list[tuple[str, Encoding]]:
+    """``(label, encoding)`` for every example configuration of ``name`` (``Encoding.examples()``: one, or one per
+    wrapped encoding for a wrapper such as RPE-2D)."""
+    configs = get(name).examples()
+    out = []
+    for opts in configs:
+        label = name if len(configs) == 1 else name + "[" + ",".join(f"{k}={v}" for k, v in opts.items()) + "]"
+        out.append((label, example(name, **{**opts, **kwargs})))
+    return out
+
+
+def _acts_on_tokens(enc: Encoding, pos: Positions) -> tuple[bool, bool]:
+    """``(embed, mix)``: whether the encoding's plan at ``pos`` has these token pieces."""
+    plan = enc.prepare(pos).plan
+    return plan.embed, "mix" in plan.pieces
 
 
 def _prefix_for(enc: Encoding) -> int:
@@ -70,6 +100,17 @@ def sample_positions(enc: Encoding, n: int = 24, *, seed: int = 0, scale: float 
     return Positions(torch.randn(1, n, enc.num_axes, generator=g, dtype=torch.float64).float() * scale)
 
 
+def randomize_parameters(enc: Encoding, *, seed: int = 0, scale: float = 0.3) -> Encoding:
+    """Every floating parameter of ``enc`` drawn from ``N(0, scale^2)`` in place (and ``enc`` returned), so that
+    zero-initialised tables and per-layer terms become visible to a check; deterministic in ``seed``."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in enc.parameters():
+            if p.is_floating_point():
+                p.copy_(torch.randn(p.shape, generator=g, dtype=torch.float64).to(p.dtype) * scale)
+    return enc
+
+
 def random_qk(enc: Encoding, n: int, *, batch: int = 1, seed: int = 0, dtype=torch.float32) -> tuple[Tensor, Tensor]:
     """Random ``q, k`` of shape (B, H, N, Dh)."""
     g = torch.Generator().manual_seed(seed)
@@ -88,14 +129,15 @@ def probe(enc: Encoding, pos: Positions, *, seed: int = 0, layers: int | None = 
     x = torch.randn(pos.batch, pos.num_tokens, C, generator=g)
     w = torch.randn(layers, 3, C, C, generator=g) / math.sqrt(C)
     ctx = enc.prepare(pos)
-    x = enc.embed(x, ctx)
+    plan = ctx.plan
+    x = enc.embed(x, ctx) if plan.embed else x
     for layer in range(layers):
         q, k, v = (
             (x @ w[layer, i]).reshape(x.shape[0], x.shape[1], H, -1).transpose(1, 2) for i in range(3)
         )  # (B, H, N, Dh)
         out = attend(q, k, v, enc=enc, ctx=ctx, layer=layer, backend="eager")
         x = x + out.transpose(1, 2).reshape(x.shape)
-        x = enc.mix(x, ctx, layer)
+        x = enc.mix(x, ctx, layer) if plan[layer].mix else x
     return x
 
 
@@ -107,14 +149,14 @@ def effects(enc: Encoding, pos: Positions, q: Tensor, k: Tensor, x: Tensor) -> d
     The property checks compare these, so ``embed``/``mix`` encodings are held to their claims too.
     """
     out = {"logits": attention_logits(enc, q, k, pos)}
-    if enc.uses("embed") or enc.uses("mix"):
-        ctx = enc.prepare(pos)
-        if enc.uses("embed"):  # the difference at fp32 or better: bf16 tokens cancel to their rounding
-            wide = torch.promote_types(x.dtype, torch.float32)
-            out["embed"] = enc.embed(x, ctx).to(wide) - x.to(wide)
-        if enc.uses("mix"):
-            for layer in range(enc.depth):
-                out[f"mix{layer}"] = enc.mix(x, ctx, layer)
+    ctx = enc.prepare(pos)
+    plan = ctx.plan
+    if plan.embed:  # the difference at fp32 or better: bf16 tokens cancel to their rounding
+        wide = torch.promote_types(x.dtype, torch.float32)
+        out["embed"] = enc.embed(x, ctx).to(wide) - x.to(wide)
+    for layer in range(enc.depth):
+        if plan[layer].mix:
+            out[f"mix{layer}"] = enc.mix(x, ctx, layer)
     return out
 
 
@@ -226,7 +268,7 @@ def check_fp32_angles(enc: Encoding, *, rel_tol: float = 5e-2) -> None:
     small = x * 1e-2
     cast = copy.deepcopy(enc).to(torch.bfloat16)
     bf16 = effects(cast, pos, q.bfloat16(), k.bfloat16(), small.bfloat16())
-    ref_small = effects(enc, pos, q, k, small) if enc.uses("embed") or enc.uses("mix") else ref
+    ref_small = effects(enc, pos, q, k, small) if any(_acts_on_tokens(enc, pos)) else ref
     for how, out, base in (("bf16-autocast", low, ref), ("a .to(torch.bfloat16) copy's", bf16, ref_small)):
         for name, t in base.items():
             err = (out[name].double() - t.double()).abs().max().item() / t.abs().max().clamp_min(1e-6).item()

@@ -12,10 +12,13 @@ Every module in this package registers its encodings with :func:`register`; :fun
 
 from .base import CLAIMS, HALF_PLANES, HOOKS, Context, Encoding, LatticeBias
 from .functional.scaling import resolution_scaling
-from .registry import available, build, get, options_of, register, register_preset
+from . import plan, spec
+from .plan import LayerPlan, Plan
+from .registry import available, build, construct, get, options_of, register, register_preset
+from .spec import EncodingSpec
 from .rope import set_scaling
 
 __all__ = [
-    "CLAIMS", "HALF_PLANES", "HOOKS", "Context", "Encoding", "LatticeBias", "available", "build", "get",
-    "options_of", "register", "register_preset", "resolution_scaling", "set_scaling",
+    "CLAIMS", "HALF_PLANES", "HOOKS", "Context", "Encoding", "EncodingSpec", "LatticeBias", "LayerPlan", "Plan",
+    "available", "build", "construct", "get", "options_of", "register", "register_preset", "resolution_scaling", "set_scaling",
 ]

@@ -14,7 +14,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from ..positions import Positions
 from .base import Context, Encoding
+from .spec import EncodingSpec
 from .registry import register
 
 __all__ = ["AdditiveEmbedding", "LearnedAPE", "SinCosAPE", "resample_grid_embed", "sincos_embed"]
@@ -26,6 +28,8 @@ class AdditiveEmbedding(Encoding):
     The table is built in the subclass's ``_prepare``; ``embed`` checks the token count and width and adds it
     in the tokens' dtype.
     """
+
+    pieces = frozenset({"embed"})
 
     def embed(self, x: Tensor, ctx: Context) -> Tensor:
         self.check_x(x, ctx, f"{type(self).__name__}.embed")
@@ -69,22 +73,24 @@ class LearnedAPE(AdditiveEmbedding):
     """
 
     claims = frozenset({"neutral"})
+    resampling = "rows"  # RPE-2D samples rows of the table (its grid_size is the expanded range)
+    absolute_table = "pos_embed"  # a timm ViT's pos_embed initialises it (vlpe.integrations.timm.convert)
     supported_axes = (2, 3)
     needs_grid = True
 
     def __init__(
         self,
         *,
-        dim: int,
-        num_heads: int,
-        depth: int = 12,
-        num_axes: int = 2,
+        spec: EncodingSpec,
         grid_size: Sequence[int] | None = None,
         prefix: int = 1,
         antialias: bool = True,
         init_std: float = 0.02,
     ) -> None:
-        super().__init__(dim=dim, num_heads=num_heads, depth=depth, num_axes=num_axes)
+        dim, num_axes = spec.dim, spec.num_axes
+        super().__init__(spec=spec)
+        if grid_size is None and spec.grid is not None and len(spec.grid) == num_axes:
+            grid_size = spec.grid  # the model's training grid
         if grid_size is None:
             if num_axes != 2:
                 raise ValueError(f"ape with num_axes={num_axes} needs an explicit grid_size of {num_axes} entries")
@@ -119,6 +125,26 @@ class LearnedAPE(AdditiveEmbedding):
         )  # (n_patches, C)
         head = self.pos_embed[: self.prefix] if self.prefix else patches.new_zeros(pos.prefix, self.dim)
         ctx["pe"] = torch.cat([head, patches], dim=0).unsqueeze(0)  # (1, N, C)
+
+    def prepare_rows(self, pos: Positions, indices: list[Tensor]) -> Context:
+        """The learned table read at the grid rows ``indices`` (per axis ``(B, g_a)``, indices into
+        ``grid_size``) instead of being resampled to ``pos.grid`` (RPE-2D's sampled positions)."""
+        if self.prefix and pos.prefix != self.prefix:
+            raise ValueError(
+                f"ape was built with {self.prefix} prefix slot(s) but the positions have prefix={pos.prefix}"
+            )
+        grid, L = pos.grid, self.grid_size
+        flat = torch.zeros((), dtype=torch.long, device=pos.device)
+        for a in range(len(grid)):
+            shape = [pos.batch] + [1] * len(grid)
+            shape[1 + a] = grid[a]
+            flat = flat * L[a] + indices[a].reshape(shape)  # row-major index in the table grid
+        rows = self.pos_embed[self.prefix + flat.reshape(pos.batch, -1)]  # (B, n, C)
+        head = self.pos_embed[: self.prefix] if self.prefix else rows.new_zeros(pos.prefix, self.dim)
+        ctx = Context(pos, training=self.training, owner=self)
+        ctx["pe"] = torch.cat([head.unsqueeze(0).expand(pos.batch, -1, -1), rows], dim=1)  # (B, N, C)
+        ctx.plan = self._plan(ctx)
+        return ctx
 
     def neutralize(self) -> LearnedAPE:
         with torch.no_grad():
@@ -192,19 +218,18 @@ class SinCosAPE(AdditiveEmbedding):
     """
 
     claims = frozenset({"extrapolation", "fp32_angles"})
+    resampling = "coords"
 
     def __init__(
         self,
         *,
-        dim: int,
-        num_heads: int,
-        depth: int = 12,
-        num_axes: int = 2,
+        spec: EncodingSpec,
         temperature: float = 10000.0,
         layout: SinCosLayout = "blocked",
         reverse_axes: bool = False,
     ) -> None:
-        super().__init__(dim=dim, num_heads=num_heads, depth=depth, num_axes=num_axes)
+        dim, num_axes = spec.dim, spec.num_axes
+        super().__init__(spec=spec)
         if layout not in ("blocked", "per_axis"):
             raise ValueError(
                 f"layout must be 'blocked' (timm) or 'per_axis' (interleave_sin_cos / MAE), got {layout!r}"

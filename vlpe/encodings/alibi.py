@@ -8,6 +8,7 @@ import torch
 from torch import Tensor
 
 from .base import Context, Encoding, LatticeBias
+from .spec import EncodingSpec
 from .functional.bias import lattice_offsets
 from .registry import register
 
@@ -65,9 +66,12 @@ class ALiBi(Encoding):
     keep_fp32 = True  # exact fp32 parameters/buffers through downcasts (see Encoding.keep_fp32)
 
     claims = frozenset({"relative", "extrapolation", "rotation_invariant", "neutral", "fp32_angles"})
+    pieces = frozenset({"score", "score_heads", "lattice_bias", "flex"})
+    resampling = "coords"
 
-    def __init__(self, *, dim: int, num_heads: int, depth: int = 12, num_axes: int = 2) -> None:
-        super().__init__(dim=dim, num_heads=num_heads, depth=depth, num_axes=num_axes)
+    def __init__(self, *, spec: EncodingSpec) -> None:
+        num_heads = spec.num_heads
+        super().__init__(spec=spec)
         self.register_buffer("slopes", alibi_slopes(num_heads), persistent=False)  # (H,)
 
 

@@ -25,13 +25,13 @@ per-head bias builder (inference fast path)
 table (inference fast path on lattices)
 ===========================================  ==============================================  =================
 
-``score_heads`` and ``lattice_bias`` are optional forms of ``score`` for the inference fast path of
-:func:`vlpe.attend` (SDPA per head and query chunk, see :mod:`vlpe.attention`); they give the same bias as
-``score``, which stays the reference (training uses it).
+Which hooks an encoding has is data, not introspection: the class declares ``pieces`` (an instance may
+narrow them, e.g. iRPE without a values term), and :meth:`Encoding.prepare` returns a :class:`Context` whose
+``plan`` (:class:`vlpe.encodings.plan.Plan`) says per layer which pieces exist. Attention consults the plan
+only. The whole contract (order, softmax scale, key padding, shapes) is in :mod:`vlpe.encodings.plan`.
 
-Tensor conventions: tokens ``x`` are ``(B, N, C)``; ``q, k, v`` are ``(B, H, N, Dh)`` as they enter
-attention (after the projections, before any scaling); a bias is broadcastable to ``(B, H, n, N)`` for
-the ``n`` query rows asked for, ``-inf`` where attention is forbidden.
+Build-time facts (width, heads, depth, axes, training grid, KV heads) arrive as one
+:class:`vlpe.encodings.spec.EncodingSpec` (``cls(spec=spec, **options)``, see :func:`vlpe.encodings.build`).
 """
 
 from __future__ import annotations
@@ -44,6 +44,8 @@ import torch
 from torch import Tensor, nn
 
 from ..positions import Positions
+from .plan import PIECES, Plan
+from .spec import EncodingSpec
 
 __all__ = ["Context", "Encoding", "LatticeBias", "HOOKS", "CLAIMS", "HALF_PLANES", "apply_keeping_fp32"]
 
@@ -111,15 +113,17 @@ class Context:
 
     ``tables`` is a plain dict the encoding fills in :meth:`Encoding.prepare`; layers only read it.
     ``owner`` is the encoding that prepared it: its hooks refuse a context prepared by another one.
+    ``plan`` says which pieces exist per layer (:class:`vlpe.encodings.plan.Plan`); set by ``prepare``.
     """
 
-    __slots__ = ("pos", "tables", "training", "owner")
+    __slots__ = ("pos", "tables", "training", "owner", "plan")
 
     def __init__(self, pos: Positions, *, training: bool = False, owner: "Encoding | None" = None) -> None:
         self.pos = pos
         self.tables: dict[str, Any] = {}
         self.training = training
         self.owner = owner
+        self.plan: Plan | None = None
 
     def __getitem__(self, key: str) -> Any:
         try:
@@ -145,9 +149,12 @@ class Encoding(nn.Module):
     """Base class: identity hooks, option validation and the per-forward :class:`Context`.
 
     Subclasses set ``name`` (via :func:`vlpe.encodings.register`), ``claims`` (a subset of
-    :data:`CLAIMS`), ``supported_axes`` (allowed coordinate dimensionalities, None for any) and
-    ``needs_grid`` (True when the encoding reads the regular grid, e.g. a convolution), override the
-    hooks they use, and fill ``ctx`` in :meth:`_prepare`.
+    :data:`CLAIMS`), ``pieces`` (the hooks they implement, a subset of
+    :data:`vlpe.encodings.plan.PIECES`: the attention calls exactly these), ``supported_axes`` (allowed
+    coordinate dimensionalities, None for any), ``default_num_axes``, ``needs_grid`` (True when the encoding
+    reads the regular grid, e.g. a convolution), ``example`` (options of one small example configuration, used
+    by the property kit, the demo and the benchmarks), ``resampling`` (how RPE-2D may re-sample its positions),
+    implement the hooks they declare, and fill ``ctx`` in :meth:`_prepare`.
     """
 
     name: ClassVar[str] = ""
@@ -157,24 +164,42 @@ class Encoding(nn.Module):
     #: rounding would break exact relativity or the cancellation of large terms)
     keep_fp32: ClassVar[bool] = False
     supported_axes: ClassVar[tuple[int, ...] | None] = None
+    #: the axis count when the spec leaves it open (see :meth:`axes_for`)
+    default_num_axes: ClassVar[int] = 2
     needs_grid: ClassVar[bool] = False
+    #: the hooks this encoding implements (data: the plan is built from it, nothing inspects methods)
+    pieces: ClassVar[frozenset[str]] = frozenset()
+    #: options of one small example configuration (property kit, demo, benchmarks); ``num_axes`` comes from
+    #: :meth:`axes_for` unless given here
+    example: ClassVar[dict[str, Any]] = {}
+    #: how RPE-2D may re-sample this encoding's positions: None (it does not read coordinates), ``"coords"``
+    #: (it reads the coordinates it is given) or ``"rows"`` (a learned table read by grid index:
+    #: :meth:`prepare_rows`)
+    resampling: ClassVar[str | None] = None
+    #: reads ``spec.num_kv_heads`` (grouped-query decoders); ``build`` rejects the option for the others
+    takes_kv_heads: ClassVar[bool] = False
+    #: the attribute holding a learned absolute table ``(prefix + prod(grid), C)`` that a pretrained ViT's
+    #: ``pos_embed`` may initialise (its constructor then takes ``prefix``); None: no such table
+    absolute_table: ClassVar[str | None] = None
 
-    def __init__(self, *, dim: int, num_heads: int, depth: int = 12, num_axes: int = 2) -> None:
+    def __init__(self, *, spec: EncodingSpec) -> None:
         super().__init__()
-        if dim <= 0 or num_heads <= 0 or dim % num_heads:
-            raise ValueError(f"dim must be a positive multiple of num_heads, got dim={dim}, num_heads={num_heads}")
-        if depth < 1:
-            raise ValueError(f"depth must be >= 1, got {depth}")
-        if num_axes < 1:
-            raise ValueError(f"num_axes (coordinate axes per token) must be >= 1, got {num_axes}")
+        if not isinstance(spec, EncodingSpec):
+            raise TypeError(f"{type(self).__name__} takes spec=EncodingSpec(...); build it with vlpe.encodings.build")
+        if spec.num_axes is None:
+            spec = spec.with_axes(self.axes_for(spec))
+        dim, num_heads, depth, num_axes = spec.dim, spec.num_heads, spec.depth, spec.num_axes
         if self.supported_axes is not None and num_axes not in self.supported_axes:
             raise ValueError(
                 f"{type(self).__name__} supports {' or '.join(map(str, self.supported_axes))} coordinate axes, "
                 f"got num_axes={num_axes}"
             )
-        unknown = set(self.claims) - CLAIMS
-        if unknown:
-            raise TypeError(f"{type(self).__name__} claims unknown properties {sorted(unknown)}")
+        for attr, allowed in (("claims", CLAIMS), ("pieces", frozenset(PIECES))):
+            declared = getattr(type(self), attr)  # class data (a property answers per instance, unchecked)
+            bad = sorted(declared - allowed) if isinstance(declared, frozenset) else []
+            if bad:
+                raise TypeError(f"{type(self).__name__} declares unknown {attr} {bad}; allowed: {sorted(allowed)}")
+        self.build_spec = spec  # the EncodingSpec it was built with (num_axes resolved)
         self.dim = dim
         self.num_heads = num_heads
         self.head_dim = dim // num_heads
@@ -187,6 +212,17 @@ class Encoding(nn.Module):
             fn = cls.__dict__.get(hook)
             if callable(fn) and fn is not getattr(Encoding, hook) and not hasattr(fn, "_checks_ctx"):
                 setattr(cls, hook, _checking_ctx(fn, hook, at))
+
+    @classmethod
+    def axes_for(cls, spec: EncodingSpec) -> int:
+        """The axis count when ``spec.num_axes`` is None (override when it depends on the spec, e.g. depth)."""
+        return cls.default_num_axes
+
+    @classmethod
+    def examples(cls) -> tuple[dict[str, Any], ...]:
+        """Example configurations the property kit runs (default: the one ``example``; a wrapper gives one per
+        encoding it can wrap)."""
+        return (dict(cls.example),)
 
     def check_layer(self, layer: int) -> None:
         """Raise ``ValueError`` unless ``0 <= layer < depth`` (for encodings with per-layer state)."""
@@ -229,10 +265,16 @@ class Encoding(nn.Module):
             )
         ctx = Context(pos, training=self.training, owner=self)
         self._prepare(ctx)
+        ctx.plan = self._plan(ctx)
         return ctx
 
     def _prepare(self, ctx: Context) -> None:
         """Fill ``ctx`` with this encoding's tables (override)."""
+
+    def _plan(self, ctx: Context) -> Plan:
+        """The plan of this forward: ``pieces`` on every layer (override when pieces depend on the positions
+        or differ per layer)."""
+        return Plan.uniform(self.pieces, self.depth)
 
     # ------------------------------------------------------------------ hooks
     def embed(self, x: Tensor, ctx: Context) -> Tensor:
@@ -254,14 +296,10 @@ class Encoding(nn.Module):
         return None
 
     def flex(self, q: Tensor, k: Tensor, ctx: Context, layer: int) -> tuple[Callable | None, Any]:
-        """``(score_mod, block_mask)`` for FlexAttention given the (rotated) q/k.
-
-        Default: a ``score_mod`` reading the dense bias, fine for small N; bias encodings override it
-        with an analytic ``score_mod`` and a ``block_mask`` so nothing N x N is held.
-        """
-        from ..attention import dense_score_mod  # local: attention imports this module
-
-        return dense_score_mod(self, q, k, ctx, layer), None
+        """``(score_mod, block_mask)`` for FlexAttention given the (rotated) q/k, for encodings whose pieces
+        include ``flex`` (an analytic ``score_mod`` and a ``block_mask``, so nothing N x N is held). Without
+        that piece the attention reads the dense ``score`` instead (:mod:`vlpe.attention_flex`)."""
+        return None, None
 
     def score_heads(
         self, q: Tensor, k: Tensor, ctx: Context, layer: int, rows: slice
@@ -288,17 +326,16 @@ class Encoding(nn.Module):
         """Set parameters so the encoding equals ``nope`` (for encodings that claim ``neutral``)."""
         raise NotImplementedError(f"{type(self).__name__} has no neutral setting")
 
-    # ------------------------------------------------------------------ introspection
-    @classmethod
-    def uses(cls, hook: str) -> bool:
-        """True when ``hook`` is overridden, i.e. the attention must call it."""
-        if hook not in HOOKS:
-            raise ValueError(f"unknown hook {hook!r}; hooks are {HOOKS}")
-        return getattr(cls, hook) is not getattr(Encoding, hook)
-
+    # ------------------------------------------------------------------ declared pieces
     @property
     def hooks(self) -> tuple[str, ...]:
-        return tuple(h for h in HOOKS if self.uses(h))
+        """The main hooks among this encoding's declared ``pieces``, in :data:`HOOKS` order (for reports)."""
+        return tuple(h for h in HOOKS if h in self.pieces)
+
+    def prepare_rows(self, pos: Positions, indices: list[Tensor]) -> Context:
+        """For ``resampling = "rows"``: a context reading the learned table at grid indices ``indices``
+        (per axis ``(B, g_a)``) instead of the positions' coordinates (override)."""
+        raise NotImplementedError(f"{type(self).__name__} has no learned table to read by rows")
 
     def extra_repr(self) -> str:
         return f"dim={self.dim}, num_heads={self.num_heads}, depth={self.depth}, num_axes={self.num_axes}"

@@ -30,6 +30,7 @@ import torch
 from torch import Tensor, nn
 
 from .base import Context, Encoding, fp32
+from .spec import EncodingSpec
 from .functional.rope import apply_rope, cos_sin, rope_angles
 from .functional.scaling import scale_frequencies
 from .registry import register
@@ -86,22 +87,22 @@ class ComRoPE(RotaryScaling, Encoding):
     keep_fp32 = True  # exact fp32 parameters/buffers through downcasts (see Encoding.keep_fp32)
 
     claims = frozenset({"relative", "neutral", "fp32_angles"})
+    pieces = frozenset({"rotate"})
+    resampling = "coords"
     needs_grid = True  # coords="normalized" reads the grid extent; coords="raw" does not
 
     def __init__(
         self,
         *,
-        dim: int,
-        num_heads: int,
-        depth: int = 12,
-        num_axes: int = 2,
+        spec: EncodingSpec,
         variant: Literal["ap", "ld"] = "ap",
         block: int = 2,
         init_std: float = 1.0,
         coords: Literal["normalized", "raw"] = "normalized",
         scaling: Mapping[str, Any] | None = None,
     ) -> None:
-        super().__init__(dim=dim, num_heads=num_heads, depth=depth, num_axes=num_axes)
+        dim, num_heads, depth, num_axes = spec.dim, spec.num_heads, spec.depth, spec.num_axes
+        super().__init__(spec=spec)
         if variant not in ("ap", "ld"):
             raise ValueError(f"variant must be 'ap' (axial partition) or 'ld' (linearly dependent), got {variant!r}")
         if not isinstance(block, int) or block < 2 or self.head_dim % block:

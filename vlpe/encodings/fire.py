@@ -16,6 +16,7 @@ from torch import Tensor, nn
 
 from .alibi import pairwise_distance
 from .base import Context, Encoding, LatticeBias
+from .spec import EncodingSpec
 from .functional.bias import lattice_offsets
 from .registry import register
 
@@ -78,21 +79,20 @@ class FIRE(Encoding):
     keep_fp32 = True  # exact fp32 parameters through downcasts (see Encoding.keep_fp32)
 
     claims = frozenset({"relative", "neutral", "fp32_angles"})
+    pieces = frozenset({"score", "lattice_bias", "flex"})
 
     def __init__(
         self,
         *,
-        dim: int,
-        num_heads: int,
-        depth: int = 12,
-        num_axes: int = 2,
+        spec: EncodingSpec,
         distance: Literal["axial", "euclidean"] = "axial",
         normalize: Literal["extent", "threshold"] = "extent",
         hidden: int = 32,
         init_c: float = 0.1,
         init_L: float = 4.0,
     ) -> None:
-        super().__init__(dim=dim, num_heads=num_heads, depth=depth, num_axes=num_axes)
+        num_heads, depth, num_axes = spec.num_heads, spec.depth, spec.num_axes
+        super().__init__(spec=spec)
         if distance not in ("axial", "euclidean"):
             raise ValueError(f"fire: distance must be 'axial' (per-axis offsets) or 'euclidean', got {distance!r}")
         if normalize not in ("extent", "threshold"):

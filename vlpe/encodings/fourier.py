@@ -9,6 +9,7 @@ from torch import Tensor, nn
 
 from .absolute import AdditiveEmbedding
 from .base import Context, apply_keeping_fp32
+from .spec import EncodingSpec
 from .registry import register
 
 __all__ = ["LearnableFourier"]
@@ -41,20 +42,19 @@ class LearnableFourier(AdditiveEmbedding):
     """
 
     claims = frozenset({"neutral", "extrapolation", "fp32_angles"})
+    resampling = "coords"
 
     def __init__(
         self,
         *,
-        dim: int,
-        num_heads: int,
-        depth: int = 12,
-        num_axes: int = 2,
+        spec: EncodingSpec,
         num_features: int = 128,
         hidden: int = 128,
         gamma: float = 2.0,
         groups: int = 1,
     ) -> None:
-        super().__init__(dim=dim, num_heads=num_heads, depth=depth, num_axes=num_axes)
+        dim, num_axes = spec.dim, spec.num_axes
+        super().__init__(spec=spec)
         if num_features < 2 or num_features % 2:
             raise ValueError(f"num_features F must be a positive even number (F/2 cos + F/2 sin), got {num_features}")
         if hidden < 1:

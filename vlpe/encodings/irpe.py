@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import functools
 from typing import Literal
 
 import torch
 from torch import Tensor, nn
 
 from .base import Context, Encoding, LatticeBias
+from .spec import EncodingSpec
 from .functional.bias import (
     IRPE_METHODS,
     compact_index_dtype,
@@ -25,27 +25,6 @@ _METHOD_ALIASES = {"euc": "euclidean"}
 #: Bucket maps up to this many bytes are kept as int64 (ready for gather); larger ones are stored compact.
 _INT64_INDEX_BYTES = 32 * 2**20
 _CACHE_SIZE = 4
-
-
-class _ConfiguredUses:
-    """``enc.uses(hook)`` answers for the instance's ``rpe_on``: without ``v`` iRPE has no values term, so
-    the attention keeps SDPA instead of the eager path. ``IRPE.uses(hook)`` (no instance) answers for the class."""
-
-    def __get__(self, obj, cls):
-        class_uses = functools.partial(Encoding.__dict__["uses"].__func__, cls)
-        if obj is None:
-            return class_uses
-
-        def uses(hook: str) -> bool:
-            if not class_uses(hook):  # also validates the hook name
-                return False
-            if hook == "values":
-                return "v" in obj.rpe_on
-            if hook == "score":
-                return "q" in obj.rpe_on or "k" in obj.rpe_on
-            return True
-
-        return uses
 
 
 @register("irpe")
@@ -72,22 +51,19 @@ class IRPE(Encoding):
     claims = frozenset({"zero_init", "neutral", "relative", "extrapolation"})
     supported_axes = (2,)
     needs_grid = True
-    uses = _ConfiguredUses()
 
     def __init__(
         self,
         *,
-        dim: int,
-        num_heads: int,
-        depth: int = 12,
-        num_axes: int = 2,
+        spec: EncodingSpec,
         mode: Literal["bias", "contextual"] = "contextual",
         method: Literal["euclidean", "quant", "cross", "product"] = "product",
         ratio: float = 1.9,
         rpe_on: Literal["q", "k", "v", "qk", "qkv"] = "k",
         shared_head: bool = True,
     ) -> None:
-        super().__init__(dim=dim, num_heads=num_heads, depth=depth, num_axes=num_axes)
+        num_heads, depth = spec.num_heads, spec.depth
+        super().__init__(spec=spec)
         method = _METHOD_ALIASES.get(method, method)
         if method not in IRPE_METHODS:
             raise ValueError(f"unknown iRPE method {method!r}; choose one of {IRPE_METHODS}")
@@ -120,6 +96,19 @@ class IRPE(Encoding):
             else:
                 self.register_parameter(f"table_{target}", nn.Parameter(torch.zeros(depth, hs, dh, kb)))
         self._cache: dict[tuple, Tensor] = {}
+
+    @property
+    def pieces(self) -> frozenset[str]:
+        """From ``rpe_on``: a bias (and its per-head form) with ``q``/``k``, the offset table where
+        :meth:`lattice_bias` has one, a values term only with ``v`` (without it the attention keeps SDPA)."""
+        out = set()
+        if "q" in self.rpe_on or "k" in self.rpe_on:
+            out |= {"score", "score_heads"}
+            if self.mode == "bias" or (self.rpe_on == "k" and self.parts == 1):
+                out.add("lattice_bias")
+        if "v" in self.rpe_on:
+            out.add("values")
+        return frozenset(out)
 
     # ------------------------------------------------------------------ bucket map
     def bucket_ids(self, h: int, w: int, prefix: int = 0, device: torch.device | str | None = None) -> Tensor:

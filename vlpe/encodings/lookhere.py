@@ -2,129 +2,22 @@
 
 from __future__ import annotations
 
-from itertools import groupby
 from typing import ClassVar, Literal, Sequence
 
 import torch
 from torch import Tensor
 
 from .base import Context, Encoding, LatticeBias
+from .spec import EncodingSpec
 from .functional.bias import lattice_offsets
+from .functional.lookhere import DIRECTION_GROUPS, default_directions, head_bias, head_layout
+from .functional.lookhere import _HALF_PLANES, _MASKED, _PRIMITIVES, _default_head_slopes, _half_plane
 from .registry import register, register_preset
 
 __all__ = ["LookHere", "DIRECTION_GROUPS", "default_directions", "head_layout"]
 
-# Half-planes a key may be required to lie in, as bits of a field-of-view code. (dx, dy) = key - query in
-# (column, row) patch units; "up" is a smaller row index. Every boundary is inclusive.
-_RIGHT, _LEFT, _DOWN, _UP = 1, 2, 4, 8  # dx >= 0, dx <= 0, dy >= 0, dy <= 0
-_SUM_POS, _SUM_NEG, _DIF_POS, _DIF_NEG = 16, 32, 64, 128  # dx+dy >= 0, dx+dy <= 0, dx-dy >= 0, dx-dy <= 0
-#: bit -> (form index into (x, y, x + y, x - y), True for ">= 0" / False for "<= 0")
-_HALF_PLANES = {
-    _RIGHT: (0, True), _LEFT: (0, False), _DOWN: (1, True), _UP: (1, False),
-    _SUM_POS: (2, True), _SUM_NEG: (2, False), _DIF_POS: (3, True), _DIF_NEG: (3, False),
-}  # fmt: skip
-
-#: Field-of-view primitives -> required half-plane bits (intersection). Wedges ("tri_*") are 90-degree
-#: cones around an axis; "diag_*" are the *union* of two adjacent wedges, i.e. a half-plane bounded by a
-#: diagonal (the reference intersects the two wedges' masked sets).
-_PRIMITIVES = {
-    "up": _UP,
-    "down": _DOWN,
-    "left": _LEFT,
-    "right": _RIGHT,
-    "tri_up": _SUM_NEG | _DIF_POS,  # |dx| <= -dy
-    "tri_down": _SUM_POS | _DIF_NEG,  # |dx| <= dy
-    "tri_left": _SUM_NEG | _DIF_NEG,  # dx <= -|dy|
-    "tri_right": _SUM_POS | _DIF_POS,  # dx >= |dy|
-    "diag_up_right": _DIF_POS,  # up wedge U right wedge: dx - dy >= 0
-    "diag_up_left": _SUM_NEG,  # dx + dy <= 0
-    "diag_down_right": _SUM_POS,  # dx + dy >= 0
-    "diag_down_left": _DIF_NEG,  # dx - dy <= 0
-}
-
-#: Direction groups of four heads each (names and head order as in the reference ``dir_short_hand``).
-#: "zero" heads get no bias; "center" heads are penalised by the key's distance to the image centre.
-DIRECTION_GROUPS: dict[str, tuple[tuple[str, ...], ...]] = {
-    "none": ((),) * 4,
-    "zero": (("zero",),) * 4,
-    "none1zero3": ((),) + (("zero",),) * 3,
-    "none2zero2": ((),) * 2 + (("zero",),) * 2,
-    "none3zero1": ((),) * 3 + (("zero",),),
-    "center": (("center",),) * 4,
-    "halves": (("up",), ("down",), ("left",), ("right",)),
-    "corners": (("up", "left"), ("up", "right"), ("down", "left"), ("down", "right")),
-    "triangles": (("tri_up",), ("tri_down",), ("tri_left",), ("tri_right",)),
-    "diagonals": (("diag_up_right",), ("diag_up_left",), ("diag_down_right",), ("diag_down_left",)),
-    "eighths1": (("tri_up", "left"), ("tri_down", "left"), ("tri_left", "up"), ("tri_right", "up")),
-    "eighths2": (("tri_up", "right"), ("tri_down", "right"), ("tri_left", "down"), ("tri_right", "down")),
-    "zerohalves": tuple(("zero", d) for d in ("up", "down", "left", "right")),
-    "zerocorners": tuple(("zero",) + c for c in (("up", "left"), ("up", "right"), ("down", "left"), ("down", "right"))),
-    "zerotriangles": tuple(("zero", d) for d in ("tri_up", "tri_down", "tri_left", "tri_right")),
-}
-_UNDIRECTED = ("zero", "center", "none")  # groups whose name contains one of these get the undirected slopes
-_MASKED = -3.3895313892515355e38  # bfloat16's lowest finite value: masked logits stay finite in fp32 and bf16
 _FILLS = ("inf", "zero", "max")
 _DISTANCES = ("linear", "sqrt", "square")
-
-
-def _group_sizes(num_heads: int, groups: int, config: str) -> list[int]:
-    """Heads per group: blocks of four heads (one per direction) dealt round-robin from the first group,
-    a last partial block to the next group in turn (the reference's 12 = 8 + 4, 16 = 8 + 4 + 4, 6 = 4 + 2)."""
-    sizes = [0] * groups
-    left, g = num_heads, 0
-    while left:
-        take = min(4, left)
-        sizes[g % groups] += take
-        left -= take
-        g += 1
-    if min(sizes) == 0:
-        raise ValueError(
-            f"LookHere head_directions {config!r} has {groups} direction groups but num_heads={num_heads}: heads "
-            f"are dealt in blocks of 4, so {groups} groups need at least {4 * (groups - 1) + 1} heads "
-            f"(e.g. 12 heads for 3 groups); use fewer groups or more heads"
-        )
-    return sizes
-
-
-def default_directions(num_heads: int) -> str:
-    """LH-90's layout for ``num_heads``: ``"corners-triangles-none"`` from 9 heads on (12 heads: 4 + 4 + 4),
-    ``"corners-none"`` for 5-8 heads (6 heads: 4 + 2, the reference's 6-head split), ``"corners"`` below."""
-    if num_heads >= 9:
-        return "corners-triangles-none"
-    return "corners-none" if num_heads >= 5 else "corners"
-
-
-def head_layout(config: str, num_heads: int) -> tuple[list[str], list[tuple[str, ...]]]:
-    """``(group name, direction primitives)`` of each head for a config such as ``"corners-triangles-none"``."""
-    if not isinstance(config, str) or not config:
-        raise ValueError(f"head_directions must be a string like 'corners-triangles-none', got {config!r}")
-    names = config.split("-")
-    unknown = [n for n in names if n not in DIRECTION_GROUPS]
-    if unknown:
-        raise ValueError(
-            f"unknown LookHere direction group(s) {unknown} in {config!r}; groups are {sorted(DIRECTION_GROUPS)} "
-            f"joined by '-'"
-        )
-    head_names: list[str] = []
-    head_dirs: list[tuple[str, ...]] = []
-    for name, size in zip(names, _group_sizes(num_heads, len(names), config)):
-        head_names += [name] * size
-        head_dirs += [DIRECTION_GROUPS[name][i % 4] for i in range(size)]
-    return head_names, head_dirs
-
-
-def _default_head_slopes(head_names: list[str]) -> list[float]:
-    """Per-head slopes by runs of equal group names: directed runs ``2^-(1 + k // 4)`` (1/2 for the first
-    four heads, 1/4 for the next four, ...); undirected runs ``1/4, 1/16, 1/64, 1/256`` (each repeated
-    ``n / 4`` times for runs of n > 4 heads)."""
-    slopes: list[float] = []
-    for name, run in groupby(head_names):
-        n = len(list(run))
-        if any(u in name for u in _UNDIRECTED):
-            slopes += [4.0 ** -(1 + (k if n <= 4 else 4 * k // n)) for k in range(n)]
-        else:
-            slopes += [2.0 ** -(1 + k // 4) for k in range(n)]
-    return slopes
 
 
 @register("lookhere")
@@ -153,17 +46,15 @@ class LookHere(Encoding):
     keep_fp32 = True  # exact fp32 parameters/buffers through downcasts (see Encoding.keep_fp32)
 
     claims = frozenset({"relative", "extrapolation", "fp32_angles"})
+    pieces = frozenset({"score", "score_heads", "lattice_bias", "flex"})
     supported_axes = (2,)
-    #: the registry-wide kit builds 4 heads: one 4-head group (also for the 12-head presets)
-    kit_options: ClassVar[dict] = {"head_directions": "corners"}
+    #: the example (property kit, demo, benchmarks) has 4 heads: one 4-head group (also for the 12-head presets)
+    example: ClassVar[dict] = {"head_directions": "corners"}
 
     def __init__(
         self,
         *,
-        dim: int,
-        num_heads: int,
-        depth: int = 12,
-        num_axes: int = 2,
+        spec: EncodingSpec,
         head_directions: str | None = None,
         global_slope: float = 2.0,
         layer_slopes: Sequence[float] = (1.5, 0.5),
@@ -171,7 +62,8 @@ class LookHere(Encoding):
         distance: Literal["linear", "sqrt", "square"] = "linear",
         fill_with: Literal["inf", "zero", "max"] = "inf",
     ) -> None:
-        super().__init__(dim=dim, num_heads=num_heads, depth=depth, num_axes=num_axes)
+        num_heads = spec.num_heads
+        super().__init__(spec=spec)
         if fill_with not in _FILLS:
             raise ValueError(
                 f"fill_with must be one of {_FILLS} (masked logits: -3.39e38, 0, the largest distance penalty), "
@@ -360,12 +252,12 @@ class LookHere(Encoding):
 
         def score_mod(score, b, h, q_idx, kv_idx):
             dx, dy = offsets(b, q_idx, kv_idx)
-            bias = slopes[h] * dist(dx * dx + dy * dy)
+            d = dist(dx * dx + dy * dy)
             if centre is not None:
-                bias = torch.where(is_center[h], slopes[h] * centre[b if per_sample else 0, kv_idx], bias)
-            if mode != "inf":
-                masked_value = slopes[h] * fill[b if per_sample else 0] if mode == "max" else torch.zeros_like(bias)
-                bias = torch.where(visible(b, h, q_idx, kv_idx), bias, masked_value)
+                d = torch.where(is_center[h], centre[b if per_sample else 0, kv_idx], d)
+            # fill 'inf': the block_mask drops hidden keys, so the formula sees visible keys only
+            hidden = None if mode == "inf" else ~visible(b, h, q_idx, kv_idx)
+            bias = head_bias(d, slopes[h], hidden, mode, fill[b if per_sample else 0] if mode == "max" else None)
             if prefix:
                 bias = torch.where((q_idx < prefix) | (kv_idx < prefix), torch.zeros_like(bias), bias)
             return score + bias.to(score.dtype)
@@ -381,19 +273,6 @@ class LookHere(Encoding):
             f"{super().extra_repr()}, head_directions={self.head_directions!r}, global_slope={self.global_slope}, "
             f"layer_slopes={self.layer_slopes}, distance={self.distance!r}, fill_with={self.fill_with!r}"
         )
-
-
-def _half_plane(bits: int) -> str | None:
-    """The axis half-plane (:data:`vlpe.encodings.HALF_PLANES`) a field of view with these required bits lies in,
-    if any: its own bit, or the two diagonal bounds that imply it (a wedge ``|dx| <= -dy`` lies in ``dy <= 0``)."""
-    implied = {
-        "up": (_UP, _SUM_NEG | _DIF_POS), "down": (_DOWN, _SUM_POS | _DIF_NEG),
-        "left": (_LEFT, _SUM_NEG | _DIF_NEG), "right": (_RIGHT, _SUM_POS | _DIF_POS),
-    }  # fmt: skip
-    for name, (bit, wedge) in implied.items():
-        if bits & bit or bits & wedge == wedge:
-            return name
-    return None
 
 
 class _Pairs:
@@ -455,22 +334,8 @@ class _Pairs:
         d = dist
         if kind == "center":
             d = self.ctx["centre_dist"][:, None, :].expand(B, n, N)  # the key's distance to the centre
-        if hid is not None and enc.fill_with == "inf":
-            if kind == "zero":
-                o.copy_(floor)
-            else:
-                torch.add(floor, d, alpha=s, out=o)  # -3.39e38 absorbs the penalty exactly
-            return
-        if kind == "zero":
-            o.zero_()
-        else:
-            torch.mul(d, s, out=o)
-        if hid is None:
-            return
-        if enc.fill_with == "zero" or kind == "zero":
-            o.masked_fill_(hid, 0.0)
-        else:  # "max": the largest distance of the grid, penalised like a visible key
-            o.copy_(torch.where(hid, (self.ctx["max_dist"] * s)[:, None, None], o))
+        max_dist = self.ctx["max_dist"][:, None, None] if enc.fill_with == "max" else None  # (B, 1, 1)
+        head_bias(d, 0.0 if kind == "zero" else s, hid, enc.fill_with, max_dist, floor=floor, out=o)
 
 
 # LH-90 is the reference's released config (global slope 2, layer slopes 1.5 -> 0.5, quadrants + 90-degree

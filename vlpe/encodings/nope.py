@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from .base import Encoding
+from .spec import EncodingSpec
 from .registry import register
 
 
@@ -12,8 +13,8 @@ class NoPE(Encoding):
 
     claims = frozenset({"relative", "extrapolation", "zero_init", "neutral", "rotation_invariant"})
 
-    def __init__(self, *, dim: int, num_heads: int, depth: int = 12, num_axes: int = 2) -> None:
-        super().__init__(dim=dim, num_heads=num_heads, depth=depth, num_axes=num_axes)
+    def __init__(self, *, spec: EncodingSpec) -> None:
+        super().__init__(spec=spec)
 
     def neutralize(self) -> "NoPE":
         return self

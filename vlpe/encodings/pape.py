@@ -44,9 +44,10 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .base import Context, Encoding, fp32
+from .spec import EncodingSpec
 from .registry import register
 
-__all__ = ["PaPE", "PaPENaive", "PaPERI", "centred_coords"]
+__all__ = ["PaPE", "PaPERI", "centred_coords"]
 
 PrefixPosition = Literal["corner", "none"]
 
@@ -115,9 +116,11 @@ class _ParabolicBase(Encoding):
     keep_fp32 = True  # exact fp32 parameters/buffers through downcasts (see Encoding.keep_fp32)
 
     claims = frozenset({"relative", "extrapolation", "neutral", "fp32_angles"})
+    pieces = frozenset({"widen"})
+    resampling = "coords"
 
-    def __init__(self, *, dim, num_heads, depth, num_axes, prefix_position: PrefixPosition) -> None:
-        super().__init__(dim=dim, num_heads=num_heads, depth=depth, num_axes=num_axes)
+    def __init__(self, *, spec: EncodingSpec, prefix_position: PrefixPosition) -> None:
+        super().__init__(spec=spec)
         if prefix_position not in ("corner", "none"):
             raise ValueError(
                 f"prefix_position must be 'corner' (prefix tokens one step before the first patch, as the "
@@ -208,14 +211,12 @@ class PaPE(_ParabolicBase):
     def __init__(
         self,
         *,
-        dim: int,
-        num_heads: int,
-        depth: int = 12,
-        num_axes: int = 2,
+        spec: EncodingSpec,
         num_parabolas: int = 50,
         prefix_position: PrefixPosition = "corner",
     ) -> None:
-        super().__init__(dim=dim, num_heads=num_heads, depth=depth, num_axes=num_axes, prefix_position=prefix_position)
+        dim, num_heads, depth, num_axes = spec.dim, spec.num_heads, spec.depth, spec.num_axes
+        super().__init__(spec=spec, prefix_position=prefix_position)
         if not isinstance(num_parabolas, int) or num_parabolas < 1:
             raise ValueError(f"num_parabolas must be an integer >= 1 (the reference uses 50), got {num_parabolas!r}")
         self.num_parabolas = num_parabolas
@@ -309,41 +310,6 @@ class PaPE(_ParabolicBase):
         return f"{super().extra_repr()}, num_parabolas={self.num_parabolas}"
 
 
-class PaPENaive(PaPE):
-    """PaPE in the reference's naive widened form (DTU-PAS/parabolic-position-encoding ``pape_naive.py``):
-    per head ``q~_i = [q_i, -sum_m a_im u_im^2, a_i, 2 a_i u_i, sum_m b_im u_im, b_i]`` against
-    ``k~_j = [k_j, 1, -u_j^2, u_j, 1, -u_j]`` with ``u = W_h p`` (M values), i.e. ``3M + 2`` extra channels
-    (152 at M = 50) where :class:`PaPE` appends ``1 + P(P+1)/2 + P``.
-
-    Same parameters, same logits (the tests check the two against each other); not registered. It exists so
-    ``benchmarks/encoding_cost.py`` can time the folded form against the formulation it replaces.
-    """
-
-    @property
-    def extra_width(self) -> int:
-        return 3 * self.num_parabolas + 2
-
-    def widen(self, q: Tensor, k: Tensor, ctx: Context, layer: int) -> tuple[Tensor, Tensor]:
-        self._check_layer(layer)
-        x = self._tokens(q)  # (B, N, C)
-        B, N, _ = x.shape
-        H, M = self.num_heads, self.num_parabolas
-        with torch.autocast(q.device.type, enabled=False):
-            x = x.to(self.coeff_a.dtype)
-            a = F.softplus(x @ self.coeff_a[layer]).view(B, N, H, M).transpose(1, 2)  # (B, H, N, M)
-            b = (x @ self.coeff_b[layer]).view(B, N, H, M).transpose(1, 2)  # (B, H, N, M)
-            u = torch.einsum("bna,hma->bhnm", ctx["coords"], self.position[layer])  # (B', H, N, M)
-            u = u.expand(B, -1, -1, -1)
-            one = torch.ones_like(u[..., :1])
-            qf = torch.cat([-(a * u * u).sum(-1, keepdim=True), a, 2 * a * u, (b * u).sum(-1, keepdim=True), b], -1)
-            kf = torch.cat([one, -u * u, u, one, -u], dim=-1)  # (B, H, N, 3M + 2)
-            if ctx["keep"] is not None:
-                qf, kf = qf * ctx["keep"], kf * ctx["keep"]
-        pad = _pad_width(q.shape[-1], qf.shape[-1])
-        qf, kf = F.pad(qf.to(q.dtype), (0, pad)), F.pad(kf.to(k.dtype), (0, pad))
-        return torch.cat([q, qf], dim=-1), torch.cat([k, kf], dim=-1)  # (B, H, N, Dh + 3M + 2 + pad)
-
-
 @register("pape_ri")
 class PaPERI(_ParabolicBase):
     """PaPE-RI (Koo Øhrstrøm et al., arXiv 2602.01418): one isotropic parabola ``-a_i s_h^2 ||p_i - p_j||^2`` per
@@ -361,13 +327,11 @@ class PaPERI(_ParabolicBase):
     def __init__(
         self,
         *,
-        dim: int,
-        num_heads: int,
-        depth: int = 12,
-        num_axes: int = 2,
+        spec: EncodingSpec,
         prefix_position: PrefixPosition = "corner",
     ) -> None:
-        super().__init__(dim=dim, num_heads=num_heads, depth=depth, num_axes=num_axes, prefix_position=prefix_position)
+        dim, num_heads, depth = spec.dim, spec.num_heads, spec.depth
+        super().__init__(spec=spec, prefix_position=prefix_position)
         self.coeff = nn.Parameter(torch.empty(depth, dim, num_heads))
         self.register_buffer("scales", torch.empty(depth, num_heads))
         self.reset_parameters()

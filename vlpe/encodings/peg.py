@@ -9,6 +9,7 @@ import torch
 from torch import Tensor, nn
 
 from .base import Context, Encoding
+from .spec import EncodingSpec
 from .registry import register
 
 __all__ = ["PEG"]
@@ -32,21 +33,20 @@ class PEG(Encoding):
     """
 
     claims = frozenset({"neutral"})
+    pieces = frozenset({"mix"})
     supported_axes = (2, 3)
     needs_grid = True
 
     def __init__(
         self,
         *,
-        dim: int,
-        num_heads: int,
-        depth: int = 12,
-        num_axes: int = 2,
+        spec: EncodingSpec,
         kernel_size: int = 3,
         after: Sequence[int] = (0,),
         padding: Literal["zeros", "reflect", "replicate", "circular"] = "zeros",
     ) -> None:
-        super().__init__(dim=dim, num_heads=num_heads, depth=depth, num_axes=num_axes)
+        dim, depth, num_axes = spec.dim, spec.depth, spec.num_axes
+        super().__init__(spec=spec)
         kernel_size = int(kernel_size)
         if kernel_size < 1 or kernel_size % 2 == 0:
             raise ValueError(f"kernel_size must be a positive odd integer (same-size output), got {kernel_size}")

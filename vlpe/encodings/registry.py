@@ -11,8 +11,9 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, TypeVar
 
 from .base import Encoding
+from .spec import SPEC_FIELDS, EncodingSpec
 
-__all__ = ["register", "available", "build", "get", "options_of"]
+__all__ = ["register", "available", "build", "construct", "get", "options_of"]
 
 E = TypeVar("E", bound=type[Encoding])
 
@@ -76,8 +77,9 @@ def get(name: str) -> type[Encoding]:
 
 
 def options_of(cls: type[Encoding]) -> set[str]:
-    """Keyword options a class's constructor accepts (following ``**kwargs`` up the MRO)."""
-    names: set[str] = set()
+    """Keyword options ``build`` accepts for a class: the spec facts (:data:`SPEC_FIELDS`) and the constructor's
+    own options (following ``**kwargs`` up the MRO)."""
+    names: set[str] = {f for f in SPEC_FIELDS if f != "num_kv_heads" or cls.takes_kv_heads}
     for klass in cls.__mro__:
         if "__init__" not in klass.__dict__ or klass is object:
             continue
@@ -86,7 +88,7 @@ def options_of(cls: type[Encoding]) -> set[str]:
         for p in list(sig.parameters.values())[1:]:
             if p.kind is p.VAR_KEYWORD:
                 var_kw = True
-            elif p.kind in (p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD):
+            elif p.kind in (p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD) and p.name != "spec":
                 names.add(p.name)
         if not var_kw:
             break
@@ -96,18 +98,39 @@ def options_of(cls: type[Encoding]) -> set[str]:
 def build(name: str, *, dim: int, num_heads: int, **options: Any) -> Encoding:
     """Build the encoding registered as ``name`` for a model of width ``dim`` with ``num_heads`` heads.
 
-    ``options`` are the encoding's keyword options (``depth``, ``num_axes`` and its own); an option it
-    does not take raises ``ValueError`` listing those it does.
+    ``options`` are the model facts of :class:`EncodingSpec` (``depth``, ``num_axes``, ``grid``,
+    ``num_kv_heads``: every encoding takes them and ignores those it has no use for) and the encoding's own
+    keyword options; an option it does not take raises ``ValueError`` listing those it does.
     """
     entry = get_entry(name)
-    accepted = options_of(entry.cls)
+    return construct(entry.cls, dim=dim, num_heads=num_heads, who=f"encoding {name!r}", **{**entry.defaults, **options})
+
+
+def construct(cls: type[Encoding], *, dim: int, num_heads: int, who: str | None = None, **options: Any) -> Encoding:
+    """:func:`build` for a class (registered or not): ``cls(spec=EncodingSpec(...), **own_options)``."""
+    spec, own = resolve_spec(cls, dim=dim, num_heads=num_heads, who=who, **options)
+    return cls(spec=spec, **own)
+
+
+def resolve_spec(cls: type[Encoding], *, dim: int, num_heads: int, who: str | None = None,
+                 **options: Any) -> tuple[EncodingSpec, dict[str, Any]]:  # fmt: skip
+    """The :class:`EncodingSpec` and the class's own options that :func:`construct` passes to ``cls``, checked
+    (unknown options, option types, the spec's facts) with errors naming ``who``."""
+    who = who or f"encoding {cls.__name__}"
+    accepted = options_of(cls)
     unknown = sorted(set(options) - accepted)
     if unknown:
-        valid = ", ".join(sorted(accepted - {"dim", "num_heads"}))
-        raise ValueError(f"encoding {name!r} does not take option(s) {unknown}; it takes: {valid}")
-    kwargs = {**entry.defaults, **options}
-    check_option_types(entry.cls, {"dim": dim, "num_heads": num_heads, **kwargs}, who=f"encoding {name!r}")
-    return entry.cls(dim=dim, num_heads=num_heads, **kwargs)
+        valid = ", ".join(sorted(accepted))
+        raise ValueError(f"{who} does not take option(s) {unknown}; it takes: {valid}")
+    facts = {k: options.pop(k) for k in SPEC_FIELDS if k in options}
+    check_option_types(cls, options, who=who)
+    try:
+        spec = EncodingSpec(dim=dim, num_heads=num_heads, **facts)
+        if spec.num_axes is None:
+            spec = spec.with_axes(cls.axes_for(spec))
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"{who}: {e}") from None
+    return spec, options
 
 
 def _scalar_kinds(annotation: Any) -> tuple[type, ...] | None:

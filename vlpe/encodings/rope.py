@@ -14,6 +14,7 @@ import torch
 from torch import Tensor, nn
 
 from .base import Context, Encoding
+from .spec import EncodingSpec
 from .functional.rope import apply_rope, axial_inv_freq, cos_sin, inv_freq, rope_angles, to_half, to_interleaved
 from .functional.scaling import RopeScaling, parse_scaling, scale_frequencies
 from .registry import register
@@ -95,9 +96,10 @@ class RotaryEncoding(RotaryScaling, Encoding):
     keep_fp32 = True  # exact fp32 parameters/buffers through downcasts (see Encoding.keep_fp32)
 
     claims = frozenset({"relative", "extrapolation", "neutral", "fp32_angles"})
+    pieces = frozenset({"rotate"})
 
-    def __init__(self, *, dim, num_heads, depth, num_axes, layout: Literal["half", "interleaved"] = "half") -> None:
-        super().__init__(dim=dim, num_heads=num_heads, depth=depth, num_axes=num_axes)
+    def __init__(self, *, spec: EncodingSpec, layout: Literal["half", "interleaved"] = "half") -> None:
+        super().__init__(spec=spec)
         if layout not in ("half", "interleaved"):
             raise ValueError(f"layout must be 'half' or 'interleaved', got {layout!r}")
         self.layout = layout
@@ -142,19 +144,19 @@ class AxialRoPE(RotaryEncoding):
     ``scaling`` (linear / ntk / yarn, per axis) is described in :mod:`vlpe.encodings.functional.scaling`.
     """
 
+    resampling = "coords"
+
     def __init__(
         self,
         *,
-        dim: int,
-        num_heads: int,
-        depth: int = 12,
-        num_axes: int = 2,
+        spec: EncodingSpec,
         theta: float = 100.0,
         layout: Literal["half", "interleaved"] = "half",
         head_axes: Sequence[int | None] | None = None,
         scaling: Mapping[str, Any] | None = None,
     ) -> None:
-        super().__init__(dim=dim, num_heads=num_heads, depth=depth, num_axes=num_axes, layout=layout)
+        dim, num_heads, num_axes = spec.dim, spec.num_heads, spec.num_axes
+        super().__init__(spec=spec, layout=layout)
         if theta <= 0:
             raise ValueError(f"theta must be > 0, got {theta}")
         self.theta = float(theta)
@@ -198,19 +200,17 @@ class RoPE1D(RotaryEncoding):
     """
 
     supported_axes = (1,)
+    default_num_axes = 1
 
     def __init__(
         self,
         *,
-        dim: int,
-        num_heads: int,
-        depth: int = 12,
-        num_axes: int = 1,
+        spec: EncodingSpec,
         theta: float = 10000.0,
         layout: Literal["half", "interleaved"] = "half",
         scaling: Mapping[str, Any] | None = None,
     ) -> None:
-        super().__init__(dim=dim, num_heads=num_heads, depth=depth, num_axes=num_axes, layout=layout)
+        super().__init__(spec=spec, layout=layout)
         if theta <= 0:
             raise ValueError(f"theta must be > 0, got {theta}")
         self.theta = float(theta)

@@ -10,6 +10,7 @@ import torch
 from torch import Tensor
 
 from .base import Context
+from .spec import EncodingSpec
 from .fire import patch_bounds
 from .functional.rope import cos_sin, rope_angles
 from .registry import register
@@ -66,10 +67,7 @@ class DINOv3RoPE(RotaryEncoding):
     def __init__(
         self,
         *,
-        dim: int,
-        num_heads: int,
-        depth: int = 12,
-        num_axes: int = 2,
+        spec: EncodingSpec,
         base: float | None = 100.0,
         min_period: float | None = None,
         max_period: float | None = None,
@@ -79,7 +77,8 @@ class DINOv3RoPE(RotaryEncoding):
         rescale_coords: float | None = None,
         layout: Literal["half", "interleaved"] = "half",
     ) -> None:
-        super().__init__(dim=dim, num_heads=num_heads, depth=depth, num_axes=num_axes, layout=layout)
+        dim, num_axes = spec.dim, spec.num_axes
+        super().__init__(spec=spec, layout=layout)
         if self.head_dim % (2 * num_axes):
             raise ValueError(
                 f"rope_dinov3 gives each of the {num_axes} axes the same number of rotation pairs: the head dim "

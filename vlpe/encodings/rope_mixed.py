@@ -9,6 +9,7 @@ import torch
 from torch import Tensor, nn
 
 from .base import Context, Encoding
+from .spec import EncodingSpec
 from .functional.rope import apply_rope, axial_inv_freq, cos_sin, rope_angles, to_half, to_interleaved
 from .registry import register
 from .rope import RotaryScaling
@@ -84,20 +85,20 @@ class RoPEMixed(RotaryScaling, Encoding):
     keep_fp32 = True  # exact fp32 parameters/buffers through downcasts (see Encoding.keep_fp32)
 
     claims = frozenset({"relative", "extrapolation", "neutral", "fp32_angles"})
+    pieces = frozenset({"rotate"})
+    resampling = "coords"
 
     def __init__(
         self,
         *,
-        dim: int,
-        num_heads: int,
-        depth: int = 12,
-        num_axes: int = 2,
+        spec: EncodingSpec,
         theta: float = 10.0,
         rotate: bool = True,
         layout: Literal["half", "interleaved"] = "half",
         scaling: Mapping[str, Any] | None = None,
     ) -> None:
-        super().__init__(dim=dim, num_heads=num_heads, depth=depth, num_axes=num_axes)
+        num_heads, depth, num_axes = spec.num_heads, spec.depth, spec.num_axes
+        super().__init__(spec=spec)
         if theta <= 0:
             raise ValueError(f"theta must be > 0, got {theta}")
         if layout not in ("half", "interleaved"):

@@ -16,47 +16,19 @@ small learned, zero-initialised linear map and is added to the first prefix (CLS
 
 from __future__ import annotations
 
-import copy
-import functools
 import math
-from typing import Any, Sequence
+from typing import Any, ClassVar, Sequence
 
 import torch
 from torch import Tensor, nn
 
 from ..positions import Positions
-from .base import HOOKS, Context, Encoding
-from .registry import build, get, register
+from .base import Context, Encoding
+from .plan import Plan
+from .registry import available, build, get, register
+from .spec import EncodingSpec
 
-__all__ = ["RPE2D", "BASES"]
-
-#: Encodings that read the token coordinates (``ape`` reads rows of its table, see RPE2D).
-BASES = ("rope", "rope_mixed", "string", "comrope", "sincos", "fourier", "ape", "alibi", "pape", "pape_ri")
-
-
-class _InstanceUses:
-    """``enc.uses(hook)`` answers for the wrapped encoding; ``RPE2D.uses(hook)`` (no instance) for the class."""
-
-    def __get__(self, obj, cls):
-        if obj is None:
-            return functools.partial(Encoding.__dict__["uses"].__func__, cls)
-
-        def uses(hook: str) -> bool:
-            if hook not in HOOKS:
-                raise ValueError(f"unknown hook {hook!r}; hooks are {HOOKS}")
-            return obj.base.uses(hook) or (hook == "embed" and obj.crop)
-
-        return uses
-
-
-def _with_coords(pos: Positions, coords: Tensor) -> Positions:
-    """``pos`` with new coordinates, skipping the validation (and its host syncs) of the constructor.
-
-    Only for coordinates made here: finite by construction, prefix rows kept at zero, same shape.
-    """
-    out = copy.copy(pos)
-    object.__setattr__(out, "coords", coords)
-    return out
+__all__ = ["RPE2D"]
 
 
 @register("rpe2d")
@@ -73,38 +45,39 @@ class RPE2D(Encoding):
     ``i``-th coordinate of the given grid, continued linearly past its end, so with ``length`` equal to the grid
     the base encoding is reproduced exactly. ``base="ape"`` reads the learned table: its ``grid_size`` is the
     expanded range and the sampled indices select table rows. ``crop=True`` adds the random-crop
-    micro-conditioning to the first prefix token (zero-initialised). Claims are those of the base (eval mode).
+    micro-conditioning to the first prefix token (zero-initialised). Claims and pieces are those of the base
+    (eval mode; ``crop=True`` adds ``embed``). Any registered encoding that reads the coordinates it is given
+    (``resampling = "coords"``) or a learned table by grid index (``"rows"``) can be the base (:meth:`bases`).
     """
 
-    claims = frozenset({"relative", "extrapolation", "neutral", "fp32_angles"})  # of the default base, rope
     needs_grid = True
-    uses = _InstanceUses()
+    example: ClassVar[dict] = {"base": "rope"}
 
     def __init__(
         self,
         *,
-        dim: int,
-        num_heads: int,
-        depth: int = 12,
-        num_axes: int = 2,
+        spec: EncodingSpec,
         base: str = "rope",
         base_options: dict[str, Any] | None = None,
         expand: float | None = None,
         length: int | Sequence[int] | None = None,
         crop: bool = False,
     ) -> None:
-        super().__init__(dim=dim, num_heads=num_heads, depth=depth, num_axes=num_axes)
-        if not isinstance(base, str) or base not in BASES:
+        dim, num_heads, depth, num_axes = spec.dim, spec.num_heads, spec.depth, spec.num_axes
+        super().__init__(spec=spec)
+        bases = self.bases()
+        if not isinstance(base, str) or base not in bases:
             try:
                 get(base)  # unknown names get the registry's message with suggestions
             except ValueError as e:
-                raise ValueError(f"rpe2d: unknown base encoding {base!r}; choose one of {BASES}") from e
-            raise ValueError(f"rpe2d re-samples coordinates, so the base must read them: one of {BASES}, got {base!r}")
+                raise ValueError(f"rpe2d: unknown base encoding {base!r}; choose one of {bases}") from e
+            raise ValueError(f"rpe2d re-samples coordinates, so the base must read them: one of {bases}, got {base!r}")
         base_options = dict(base_options or {})
-        fixed = {"dim", "num_heads", "depth", "num_axes"} & set(base_options)
+        fixed = {"dim", "num_heads", "depth", "num_axes", "spec"} & set(base_options)
         if fixed:
             raise ValueError(f"rpe2d passes {sorted(fixed)} to the base itself; remove them from base_options")
-        self.base = build(base, dim=dim, num_heads=num_heads, depth=depth, num_axes=num_axes, **base_options)
+        facts = {k: v for k, v in spec.facts().items() if k not in base_options}
+        self.base = build(base, dim=dim, num_heads=num_heads, **facts, **base_options)
         self.base_name = base
         if expand is not None and length is not None:
             raise ValueError(
@@ -114,10 +87,11 @@ class RPE2D(Encoding):
             length = (int(length),) * num_axes if isinstance(length, (int, float)) else tuple(int(s) for s in length)
             if len(length) != num_axes or any(s < 1 for s in length):
                 raise ValueError(f"length must be one positive size or {num_axes} (one per axis), got {length}")
-        if base == "ape":
+        self.rows = self.base.resampling == "rows"  # a learned table: sample its rows (its grid is the range)
+        if self.rows:
             if expand is not None or (length is not None and length != self.base.grid_size):
                 raise ValueError(
-                    f"rpe2d with base='ape' samples rows of the table, so the expanded range is the table's "
+                    f"rpe2d with base={base!r} samples rows of the table, so the expanded range is the table's "
                     f"grid_size {self.base.grid_size}; set it with base_options={{'grid_size': ...}} instead"
                 )
             length = self.base.grid_size
@@ -131,8 +105,27 @@ class RPE2D(Encoding):
         self.crop_embed = nn.Linear(2 * num_axes, dim, bias=False) if self.crop else None
         if self.crop_embed is not None:
             nn.init.zeros_(self.crop_embed.weight)
-        self.claims = frozenset(self.base.claims)
-        self.needs_grid = True
+
+    @classmethod
+    def bases(cls) -> tuple[str, ...]:
+        """Registered encodings RPE-2D can wrap: those that declare how their positions can be re-sampled."""
+        return tuple(n for n in available() if get(n).resampling is not None and not issubclass(get(n), RPE2D))
+
+    @classmethod
+    def examples(cls) -> tuple[dict[str, Any], ...]:
+        """One example per base (the property kit checks each base's claims through the wrapper)."""
+        return tuple({"base": b} for b in cls.bases())
+
+    @property
+    def claims(self) -> frozenset[str]:  # type: ignore[override]
+        """The base's claims (in eval mode RPE-2D is exactly the base), but those on continuous coordinates:
+        RPE-2D needs a grid."""
+        return self.base.claims - {"rotation_invariant"}
+
+    @property
+    def pieces(self) -> frozenset[str]:  # type: ignore[override]
+        """The base's pieces (and ``embed`` for the crop conditioning)."""
+        return self.base.pieces | ({"embed"} if self.crop else frozenset())
 
     # ------------------------------------------------------------------ sampling
     def ranges(self, grid: Sequence[int]) -> tuple[int, ...]:
@@ -198,32 +191,17 @@ class RPE2D(Encoding):
             ctx["box"] = torch.zeros(pos.batch, 2 * pos.num_axes, device=pos.device)
             return
         coords, picked, box = self.sample(pos)
-        moved = _with_coords(pos, coords)
-        if self.base_name == "ape":
-            ctx["inner"] = self._ape_context(moved, picked)
+        moved = pos.replace(coords=coords)  # no read-back: the constructor checks shapes only
+        if self.rows:
+            ctx["inner"] = self.base.prepare_rows(moved, picked)
         else:
             ctx["inner"] = self.base.prepare(moved)
         ctx["box"] = box
         ctx["indices"] = picked
 
-    def _ape_context(self, pos: Positions, picked: list[Tensor]) -> Context:
-        """The learned table read at the sampled rows of its ``grid_size`` grid (the expanded range)."""
-        ape = self.base
-        if ape.prefix and pos.prefix != ape.prefix:
-            raise ValueError(
-                f"ape was built with {ape.prefix} prefix slot(s) but the positions have prefix={pos.prefix}"
-            )
-        grid, L = pos.grid, ape.grid_size
-        flat = torch.zeros((), dtype=torch.long, device=pos.device)
-        for a in range(len(grid)):
-            shape = [pos.batch] + [1] * len(grid)
-            shape[1 + a] = grid[a]
-            flat = flat * L[a] + picked[a].reshape(shape)  # row-major index in the table grid
-        rows = ape.pos_embed[ape.prefix + flat.reshape(pos.batch, -1)]  # (B, n, C)
-        head = ape.pos_embed[: ape.prefix] if ape.prefix else rows.new_zeros(pos.prefix, self.dim)
-        inner = Context(pos, training=ape.training)
-        inner["pe"] = torch.cat([head.unsqueeze(0).expand(pos.batch, -1, -1), rows], dim=1)  # (B, N, C)
-        return inner
+    def _plan(self, ctx: Context) -> Plan:
+        inner = ctx["inner"].plan
+        return Plan(embed=inner.embed or self.crop, layers=inner.layers, same_every_layer=inner.same_every_layer)
 
     # ------------------------------------------------------------------ hooks (delegated)
     def embed(self, x: Tensor, ctx: Context) -> Tensor:
@@ -251,6 +229,12 @@ class RPE2D(Encoding):
 
     def flex(self, q: Tensor, k: Tensor, ctx: Context, layer: int):
         return self.base.flex(q, k, ctx["inner"], layer)
+
+    def score_heads(self, q: Tensor, k: Tensor, ctx: Context, layer: int, rows: slice):
+        return self.base.score_heads(q, k, ctx["inner"], layer, rows)
+
+    def lattice_bias(self, ctx: Context, layer: int):
+        return self.base.lattice_bias(ctx["inner"], layer)
 
     def neutralize(self) -> "RPE2D":
         self.base.neutralize()

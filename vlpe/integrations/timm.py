@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..attention import attend
-from ..encodings import Context, Encoding, build
+from ..encodings import Context, Encoding, build, get
 from ..positions import Positions
 
 __all__ = ["convert", "ConvertedViT", "HookedAttention"]
@@ -169,8 +169,8 @@ def convert(model: nn.Module, encoding: str | Encoding, *, inplace: bool = False
     else:
         options.setdefault("depth", len(blocks))
         options.setdefault("num_axes", 2)
-        if encoding == "ape":
-            options.setdefault("grid_size", tuple(patch_embed.grid_size))
+        options.setdefault("grid", tuple(int(g) for g in patch_embed.grid_size))  # the training grid
+        if get(encoding).absolute_table is not None:  # a learned table: as many prefix slots as the model's
             no_cls_slot = getattr(model, "no_embed_class", False)
             options.setdefault("prefix", 0 if no_cls_slot else int(getattr(model, "num_prefix_tokens", 0)))
         enc = build(encoding, dim=dim, num_heads=heads, **options)
@@ -179,8 +179,8 @@ def convert(model: nn.Module, encoding: str | Encoding, *, inplace: bool = False
 
         model = copy.deepcopy(model)
     pos_embed = getattr(model, "pos_embed", None)
-    if encoding == "ape" and isinstance(pos_embed, nn.Parameter):
-        _init_ape_from(enc, pos_embed.detach())
+    if enc is not encoding and type(enc).absolute_table is not None and isinstance(pos_embed, nn.Parameter):
+        _init_table_from(enc, pos_embed.detach())
     # the old encodings are dropped: the converted model never reads them
     if pos_embed is not None:
         model.pos_embed = None
@@ -214,12 +214,12 @@ def _check_fits(enc: Encoding, *, dim: int, heads: int, depth: int, options: dic
         )
 
 
-def _init_ape_from(enc: Encoding, table: Tensor) -> None:
-    """Copy timm's ``pos_embed`` (1, [P +] h*w, C) into vlpe's learned APE table ([P +] h*w, C)."""
-    target = getattr(enc, "pos_embed", None)
+def _init_table_from(enc: Encoding, table: Tensor) -> None:
+    """Copy timm's ``pos_embed`` (1, [P +] h*w, C) into the encoding's learned absolute table ([P +] h*w, C)."""
+    target = getattr(enc, type(enc).absolute_table)
     src = table.reshape(-1, table.shape[-1])
     if not isinstance(target, nn.Parameter) or tuple(target.shape) != tuple(src.shape):
         got = None if target is None else tuple(target.shape)
-        raise ValueError(f"cannot initialise vlpe ape (table {got}) from timm pos_embed {tuple(table.shape)}")
+        raise ValueError(f"cannot initialise the {type(enc).__name__} table {got} from timm pos_embed {tuple(table.shape)}")
     with torch.no_grad():
         target.copy_(src)

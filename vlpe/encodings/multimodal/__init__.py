@@ -31,7 +31,13 @@ API (Hugging Face 5.x conventions):
   :func:`apply_rotary_pos_emb`, GQA aware); PyPE ``(depth, B, S, head_dim)`` or one ``layer``'s table.
 * ``decode_position_ids(variant, rope_deltas, cache_position, *, attention_mask=None) -> (A, B, n)``: ids
   of generated text tokens; prompt ids + these equal the ids of the whole sequence computed at once.
-* ``Variant(design, allocation, design_options={}, section=None, theta=...)``; ``VARIANTS``, ``DESIGNS``,
+* ``rotary`` is ``frequencies(variant, ...)`` (the scaled ``(A, K)`` frequency matrix, built on the device once per
+  allocation: the allocation map is cached per device) then ``tables(ids, F, ...)``
+  (:mod:`vlpe.encodings.multimodal.rotary`); a caller that keeps ``F`` per device calls ``tables`` alone.
+* ``Variant(design, allocation, design_options={}, section=None, theta=...)``: one object for the functional API,
+  the registered encodings (each holds its :data:`VARIANTS` object; ``variant.encoding(dim=..., num_heads=...)``
+  for any other) and the transformers integration (``patch_of(model).variant``); ``variant.with_options(...)``
+  merges design options, an allocation, a section or theta into a new one. ``VARIANTS``, ``DESIGNS``,
   ``ALLOCATIONS``; ``allocation_map(...)`` (pair -> axis census); ``pype_attention_mask(ids, layer,
   cu_seqlens=None)``; ``packed_samples(cu_seqlens, B, S)`` (which sample every token of a packed batch is in).
 
@@ -50,16 +56,15 @@ maximum over all axes + 1 (the released semantics, not transformers 5.x's ``max(
 from .allocations import ALLOCATIONS, allocation_map, default_section, frequency_matrix
 from .designs import DESIGNS, HOPE_SCALES, V2PE_STRIDES, Design
 from .layout import Samples, TokenLayout, packed_samples, token_layout
+from .rotary import apply_rotary_pos_emb, rotary
 from .variants import (
     VARIANTS,
     Variant,
-    apply_rotary_pos_emb,
     decode_position_ids,
     get_variant,
     merge_grids,
     position_ids,
     pype_attention_mask,
-    rotary,
     text_position_ids,
 )
 

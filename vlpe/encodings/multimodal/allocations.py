@@ -25,6 +25,7 @@ name                   map (defaults for K = 64)
 
 from __future__ import annotations
 
+import functools
 from typing import Sequence
 
 import torch
@@ -97,6 +98,9 @@ def allocation_map(
 ) -> Tensor:
     """The pair -> axis map, ``(K,)`` int64 (``(H_kv, K)`` for ``multi_head``); ``-1`` = no position.
 
+    With a ``device`` the map is built on the host once per distinct arguments and device, and the cached device
+    tensor is returned from then on (treat it as read-only); without one a fresh host tensor.
+
     Args:
         allocation: one of :data:`ALLOCATIONS`.
         num_pairs: ``K = rotary_dim / 2``.
@@ -105,8 +109,19 @@ def allocation_map(
             temporal count for the last two) or KV heads per axis (``multi_head``); None for the default.
         num_kv_heads: key/value heads (``multi_head`` only).
     """
-    amap = _allocation_map(allocation, int(num_pairs), num_axes, section, num_kv_heads)  # built on the host
-    return amap if device is None else amap.to(device)  # a copy to the device, never a read back
+    if device is None:
+        return _allocation_map(allocation, int(num_pairs), num_axes, section, num_kv_heads)  # built on the host
+    key = (allocation, int(num_pairs), int(num_axes), None if section is None else tuple(section),
+           None if num_kv_heads is None else int(num_kv_heads))
+    return _on_device(*key, torch.device(device))
+
+
+@functools.lru_cache(maxsize=256)
+def _on_device(allocation, K, num_axes, section, num_kv_heads, device) -> Tensor:
+    """The map copied to ``device`` once per (allocation, shape, device): later calls reuse the device tensor
+    (no host-to-device copy per call). Shared: never modified in place."""
+    with torch.inference_mode(False), torch.no_grad():
+        return _allocation_map(allocation, K, num_axes, section, num_kv_heads).to(device)
 
 
 def _allocation_map(allocation, K, num_axes, section, num_kv_heads) -> Tensor:

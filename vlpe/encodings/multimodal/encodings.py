@@ -16,11 +16,12 @@ from torch import Tensor
 
 from ...positions import Positions
 from ..base import Context
+from ..spec import EncodingSpec
 from ..functional.rope import apply_rope, cos_sin, inv_freq, rope_angles, to_half, to_interleaved
-from ..registry import register
+from ..registry import construct, register, resolve_spec
 from ..rope import RotaryEncoding
 from .allocations import allocation_map, axes_of, frequency_matrix
-from .variants import VARIANTS, Variant
+from .variants import VARIANTS, Variant, get_variant
 from .variants import position_ids as _position_ids
 
 __all__ = [
@@ -45,21 +46,20 @@ class MultimodalRoPE(RotaryEncoding):
     each axis reads, as :func:`vlpe.encodings.multimodal.rotary` does (one shared primitive).
     """
 
-    variant: ClassVar[str] = ""
+    #: the variant a registered class is a view of (the :data:`VARIANTS` object itself, not a copy of its settings)
+    variant: ClassVar[Variant | None] = None
+    default_num_axes = 3
 
     def __init__(
         self,
         *,
-        dim: int,
-        num_heads: int,
-        depth: int = 12,
-        num_axes: int = 3,
+        spec: EncodingSpec,
         theta: float | None = None,
         section: Sequence[int] | None = None,
         layout: Literal["half", "interleaved"] = "half",
         scaling: Mapping[str, Any] | None = None,
     ) -> None:
-        super().__init__(dim=dim, num_heads=num_heads, depth=depth, num_axes=num_axes, layout=layout)
+        super().__init__(spec=spec, layout=layout)
         v = self.spec
         self.theta = float(v.theta if theta is None else theta)
         if self.theta <= 0:
@@ -68,9 +68,30 @@ class MultimodalRoPE(RotaryEncoding):
         self.register_buffer("freqs", self._frequencies(), persistent=False)
         self._init_scaling(scaling)
 
+    @classmethod
+    def of(cls, variant: str | Variant, *, dim: int, num_heads: int, **options: Any) -> "MultimodalRoPE":
+        """The encoding of any variant: the registered view when ``variant`` is a preset, otherwise the class
+        its structure needs (per-layer PyPE, per-head ``multi_head``, or this base) holding ``variant``."""
+        v = get_variant(variant)
+        for sub in _views():
+            if sub.variant == v:
+                return construct(sub, dim=dim, num_heads=num_heads, **options)
+        klass = PyPE if v.layered else MultiHeadRoPE if v.allocation == "multi_head" else MultimodalRoPE
+        if klass is MultimodalRoPE and "num_axes" not in options:
+            options["num_axes"] = v.num_axes()
+        spec, own = resolve_spec(klass, dim=dim, num_heads=num_heads, who=f"variant {v.name or v.design!r}", **options)
+        obj = klass.__new__(klass)
+        obj.__dict__["_variant"] = v  # read by ``spec`` during __init__
+        obj.__init__(spec=spec, **own)
+        return obj
+
     @property
     def spec(self) -> Variant:
-        return VARIANTS[self.variant]
+        """The :class:`Variant` this encoding rotates with."""
+        v = self.__dict__.get("_variant") or type(self).variant
+        if v is None:
+            raise ValueError(f"{type(self).__name__} holds no variant: build it with MultimodalRoPE.of(variant, ...)")
+        return v
 
     def _map(self) -> Tensor:
         v = self.spec
@@ -118,7 +139,7 @@ class MRoPE(MultimodalRoPE):
     ``Qwen2VLRotaryEmbedding`` and ids against ``Qwen2VLModel.get_rope_index``.
     """
 
-    variant = "mrope"
+    variant = VARIANTS["mrope"]
     supported_axes = (3,)
 
 
@@ -130,7 +151,7 @@ class Qwen25VLRoPE(MRoPE):
     is checked against a loop of the released transformers 4.x semantics.
     """
 
-    variant = "qwen25vl"
+    variant = VARIANTS["qwen25vl"]
 
 
 @register("mrope_i")
@@ -142,7 +163,7 @@ class MRoPEInterleave(MultimodalRoPE):
     ``Qwen3VLTextRotaryEmbedding``.
     """
 
-    variant = "mrope_i"
+    variant = VARIANTS["mrope_i"]
     supported_axes = (3,)
 
 
@@ -154,7 +175,7 @@ class Qwen3VLRoPE(MRoPEInterleave):
     ``Qwen3VLTextRotaryEmbedding``.
     """
 
-    variant = "qwen3vl"
+    variant = VARIANTS["qwen3vl"]
 
 
 @register("mhrope")
@@ -165,12 +186,13 @@ class MultiHeadRoPE(MultimodalRoPE):
     heads beyond the section sum carry no position. Checked against JJJYmmm/Multimodal-RoPEs ``mhrope``.
     """
 
-    variant = "mhrope"
+    variant = VARIANTS["mhrope"]
     supported_axes = (3,)
+    takes_kv_heads = True
 
-    def __init__(self, *, num_kv_heads: int | None = None, **kwargs) -> None:
-        self.num_kv_heads = kwargs.get("num_heads") if num_kv_heads is None else num_kv_heads
-        super().__init__(**kwargs)
+    def __init__(self, *, spec: EncodingSpec, **kwargs) -> None:
+        self.num_kv_heads = spec.num_heads if spec.num_kv_heads is None else spec.num_kv_heads
+        super().__init__(spec=spec, **kwargs)
 
     def _map(self) -> Tensor:
         H, Hkv = self.num_heads, self.num_kv_heads
@@ -189,7 +211,7 @@ class VideoRoPE(MultimodalRoPE):
     ``apply_m_modify_multimodal_rotary_pos_emb``.
     """
 
-    variant = "videorope"
+    variant = VARIANTS["videorope"]
     supported_axes = (3,)
 
 
@@ -202,7 +224,7 @@ class HoPEVideo(MultimodalRoPE):
     hrlics/HoPE ``apply_hybrid_multimodal_rotary_pos_emb`` and ``get_dynamic_rope_index``.
     """
 
-    variant = "hope_video"
+    variant = VARIANTS["hope_video"]
     supported_axes = (3,)
 
 
@@ -214,11 +236,9 @@ class VRoPE(MultimodalRoPE):
     against johncaged/VRoPE ``generate_nd_positions``.
     """
 
-    variant = "vrope"
+    variant = VARIANTS["vrope"]
     supported_axes = (4,)
-
-    def __init__(self, *, num_axes: int = 4, **kwargs) -> None:
-        super().__init__(num_axes=num_axes, **kwargs)
+    default_num_axes = 4
 
 
 @register("v2pe")
@@ -228,11 +248,9 @@ class V2PE(MultimodalRoPE):
     Plain 1D frequencies on float positions; ids checked against OpenGVLab/V2PE ``get_rope_pos_id``.
     """
 
-    variant = "v2pe"
+    variant = VARIANTS["v2pe"]
     supported_axes = (1,)
-
-    def __init__(self, *, num_axes: int = 1, **kwargs) -> None:
-        super().__init__(num_axes=num_axes, **kwargs)
+    default_num_axes = 1
 
 
 @register("pype")
@@ -245,19 +263,28 @@ class PyPE(MultimodalRoPE):
     ``is_causal``). Checked against SakuraTroyChen/PyPE ``pype_forward``.
     """
 
-    variant = "pype"
+    variant = VARIANTS["pype"]
     supported_axes = None
-    #: the registry-wide property kit runs the rotation alone (the -inf mask makes logit differences NaN)
-    kit_options: ClassVar[dict] = {"mask": False}
+    #: the property kit runs the rotation alone (the -inf mask makes logit differences NaN)
+    example: ClassVar[dict] = {"mask": False}
 
-    def __init__(self, *, depth: int = 12, num_axes: int | None = None, mask: bool = True, **kwargs) -> None:
+    def __init__(self, *, spec: EncodingSpec, mask: bool = True, **kwargs) -> None:
         self.mask = bool(mask)
-        num_axes = depth if num_axes is None else num_axes
-        if num_axes not in (1, depth):
+        depth, num_axes = spec.depth, spec.num_axes
+        if num_axes not in (None, 1, depth):
             raise ValueError(
                 f"PyPE positions have one axis per layer: num_axes must be 1 or depth={depth}, got {num_axes}"
             )
-        super().__init__(depth=depth, num_axes=num_axes, **kwargs)
+        super().__init__(spec=spec, **kwargs)
+
+    @classmethod
+    def axes_for(cls, spec: EncodingSpec) -> int:
+        return spec.depth  # one axis per layer
+
+    @property
+    def pieces(self) -> frozenset[str]:
+        """The rotation, and the ring mask (a score with its per-head form) only with ``mask=True``."""
+        return frozenset({"rotate", "score", "score_heads"} if self.mask else {"rotate"})
 
     def _frequencies(self) -> Tensor:
         if self.head_dim % 2:
@@ -316,3 +343,8 @@ class PyPE(MultimodalRoPE):
         self.freqs.zero_()
         self.mask = False
         return self
+
+
+def _views() -> list[type[MultimodalRoPE]]:
+    """The registered classes, each a view of one preset of :data:`VARIANTS`."""
+    return [MRoPE, Qwen25VLRoPE, MRoPEInterleave, Qwen3VLRoPE, MultiHeadRoPE, VideoRoPE, HoPEVideo, VRoPE, V2PE, PyPE]

@@ -8,10 +8,9 @@ from typing import Any, Mapping, Sequence
 import torch
 from torch import Tensor
 
-from ..functional.rope import apply_rope, cos_sin, inv_freq as _inv_freq, rope_angles
-from ..functional.scaling import parse_scaling, scale_frequencies
-from .allocations import ALLOCATIONS, allocation_map, axes_of, frequency_matrix
+from .allocations import ALLOCATIONS
 from .designs import DESIGNS, assemble, get_design
+from .grid_ids import grid_position_ids
 from .layout import merge_divisor, packed_samples, token_layout
 
 __all__ = [
@@ -19,9 +18,7 @@ __all__ = [
     "VARIANTS",
     "get_variant",
     "position_ids",
-    "rotary",
     "decode_position_ids",
-    "apply_rotary_pos_emb",
     "merge_grids",
     "pype_attention_mask",
     "text_position_ids",
@@ -78,11 +75,51 @@ class Variant:
             return int(d.options({**self.design_options, **options})["depth"])
         return _AXES.get(d.name, 3)
 
+    @property
+    def layered(self) -> bool:
+        """The design gives every decoder layer its own positions (PyPE): ids ``(depth, B, S)``."""
+        return get_design(self.design).name == "pype"
+
+    @property
+    def masked(self) -> bool:
+        """The design brings its own attention mask (PyPE, :func:`pype_attention_mask`)."""
+        return self.layered
+
+    def with_options(
+        self,
+        *,
+        allocation: str | None = None,
+        section: Sequence[int] | None = None,
+        theta: float | None = None,
+        **design_options: Any,
+    ) -> "Variant":
+        """This variant with more design options (merged over its own), another ``allocation`` (its section then
+        defaults again and the preset name is dropped), ``section`` or ``theta``; validated like the constructor.
+        """
+        v = get_variant(self, allocation=allocation)
+        changes: dict[str, Any] = {}
+        if design_options:
+            changes["design_options"] = {**v.design_options, **design_options}
+        if section is not None:
+            changes["section"] = tuple(section)
+        if theta is not None:
+            changes["theta"] = float(theta)
+        return replace(v, **changes) if changes else v
+
+    def encoding(self, *, dim: int, num_heads: int, **options: Any):
+        """This variant as a vlpe encoding (an ``nn.Module`` rotating q/k with its allocation; see
+        :class:`vlpe.encodings.multimodal.encodings.MultimodalRoPE`)."""
+        from .encodings import MultimodalRoPE
+
+        return MultimodalRoPE.of(self, dim=dim, num_heads=num_heads, **options)
+
     # the functional API, bound to this variant
     def position_ids(self, mm_token_type_ids, grid_thw, attention_mask=None, spatial_merge_size=2, **options):
         return position_ids(self, mm_token_type_ids, grid_thw, attention_mask, spatial_merge_size, **options)
 
     def rotary(self, ids: Tensor, **kwargs):
+        from .rotary import rotary
+
         return rotary(self, ids, **kwargs)
 
     def decode_position_ids(self, rope_deltas: Tensor, cache_position: Tensor, **kwargs):
@@ -180,6 +217,14 @@ def position_ids(
     v = get_variant(variant)
     design = get_design(v.design)
     opts = design.options({**v.design_options, **options})
+    if cu_seqlens is None and design.name in ("grid", "spatial_reset"):  # Qwen2-VL MRoPE: the fused path
+        fused = grid_position_ids(
+            mm_token_type_ids, grid_thw, attention_mask, spatial_merge_size=spatial_merge_size,
+            temporal_stride=opts["temporal_stride"], spatial_reset=opts["spatial_reset"],
+            pad_position=pad_position, dtype=dtype, validate=validate,
+        )
+        if fused is not None:
+            return fused
     layout = token_layout(
         mm_token_type_ids, grid_thw, attention_mask, spatial_merge_size=spatial_merge_size,
         split_frames=design.split_frames, cu_seqlens=cu_seqlens, checks=validate,
@@ -239,137 +284,6 @@ def decode_position_ids(
     return ids.expand(A, -1, -1)
 
 
-# --------------------------------------------------------------------------- rotary tables
-def rotary(
-    variant: str | Variant,
-    position_ids: Tensor,
-    *,
-    head_dim: int,
-    theta: float | None = None,
-    num_kv_heads: int | None = None,
-    allocation: str | None = None,
-    section: Sequence[int] | None = None,
-    rotary_dim: int | None = None,
-    inv_freq: Tensor | None = None,
-    attention_scaling: float = 1.0,
-    scaling: Mapping[str, Any] | None = None,
-    layer: int | None = None,
-    dtype: torch.dtype = torch.float32,
-) -> tuple[Tensor, Tensor]:
-    """``(cos, sin)`` tables in the Hugging Face 5.x convention (half layout, ``cat(angles, angles)``).
-
-    Angles are ``position[axis(k)] * inv_freq[k]`` in fp32 (fp64 for fp64 ids) with autocast off; pairs
-    without an axis get cos 1, sin 0. Shapes: ``(B, S, rotary_dim)``, usable with transformers'
-    ``apply_rotary_pos_emb``; ``(B, H_kv, S, rotary_dim)`` for the ``multi_head`` allocation (apply with
-    :func:`apply_rotary_pos_emb`, which repeats KV-head tables for grouped query heads); for PyPE
-    ``(depth, B, S, rotary_dim)``, or ``(B, S, rotary_dim)`` of one ``layer``.
-
-    Args:
-        variant: a registered variant name or a :class:`Variant`.
-        position_ids: ``(A, B, S)`` from :func:`position_ids` (``(B, S)`` is taken as one axis).
-        head_dim: attention head dim; ``rotary_dim`` (default ``head_dim``) rotary channels of it.
-        theta: RoPE base (default: the variant's).
-        num_kv_heads: key/value heads (``multi_head`` allocation).
-        allocation, section: override the variant's frequency allocation / its section.
-        inv_freq: ``(rotary_dim/2,)`` inverse frequencies to use instead of ``theta`` (e.g. YaRN-scaled ones
-            from ``transformers.modeling_rope_utils``), with their ``attention_scaling``.
-        scaling: training-free scaling ``{"type": "linear" | "ntk" | "yarn", "factor": s, ...}``
-            (:mod:`vlpe.encodings.functional.scaling`): ``factor`` a scalar or per axis (``{"t": 4}`` scales only
-            the pairs that read time), ``original_size`` the training extent in position ids (YaRN); with a
-            scalar factor this is transformers' ``rope_type`` linear / yarn of the same ``theta``. YaRN's attention
-            factor multiplies cos and sin. PyPE takes one factor for all layers.
-        layer: PyPE only: the decoder layer whose table to return.
-        dtype: dtype of the returned tables.
-    """
-    v = get_variant(variant, allocation=allocation)
-    alloc = v.allocation
-    sec = tuple(section) if section is not None else v.section
-    ids = torch.as_tensor(position_ids)
-    if ids.dim() == 2:
-        ids = ids.unsqueeze(0)
-    if ids.dim() != 3:
-        raise ValueError(f"position_ids must have shape (A, B, S) (or (B, S)), got {tuple(ids.shape)}")
-    rotary_dim = head_dim if rotary_dim is None else rotary_dim
-    if rotary_dim % 2 or rotary_dim < 2 or rotary_dim > head_dim:
-        raise ValueError(f"rotary_dim must be even and in [2, head_dim={head_dim}], got {rotary_dim}")
-    K = rotary_dim // 2
-    theta = v.theta if theta is None else float(theta)
-    if theta <= 0:
-        raise ValueError(f"theta must be > 0, got {theta}")
-    if scaling is not None and inv_freq is not None:
-        raise ValueError("give scaling= (vlpe scales the frequencies of theta) or inv_freq= (already scaled), not both")
-    if inv_freq is None:
-        freqs = _inv_freq(K, theta, dim=rotary_dim, device=ids.device)
-    else:
-        freqs = torch.as_tensor(inv_freq, device=ids.device).float().reshape(-1)
-        if freqs.numel() != K:
-            raise ValueError(f"inv_freq must have rotary_dim / 2 = {K} entries, got {freqs.numel()}")
-
-    per_layer = get_design(v.design).name == "pype"
-    spectrum = {"hi": 1.0, "lo": theta ** (-(K - 1) / K), "num_pairs": K}  # the frequencies of theta
-    if per_layer:
-        if layer is not None:
-            if not 0 <= layer < ids.shape[0]:
-                raise ValueError(f"layer must be in [0, {ids.shape[0]}) (the PyPE depth), got {layer}")
-            ids = ids[layer : layer + 1]
-        coords = ids.unsqueeze(-1)  # (L, B, S, 1): every layer is its own 1D position
-        amap = allocation_map("none", num_pairs=K, device=ids.device)
-        F = frequency_matrix(amap, freqs, 1)  # (1, K)
-        plan = parse_scaling(scaling, num_axes=1, who=f"rotary({v.label!r})")
-        F = scale_frequencies(F, plan, **spectrum)
-        angles = rope_angles(coords.flatten(0, 1), F).reshape(*ids.shape, K)  # (L, B, S, K)
-        if layer is not None:
-            angles = angles[0]
-    else:
-        if layer is not None:
-            raise ValueError(f"layer= is only for the layer-dependent PyPE design, not {v.label}")
-        need = axes_of(alloc, sec, v.num_axes())
-        A = ids.shape[0]
-        if need is not None and A != need:
-            if A != 1:
-                raise ValueError(
-                    f"{v.label}: the {alloc} allocation reads {need} position axes but position_ids have {A}"
-                )
-            ids, A = ids.expand(need, -1, -1), need
-        amap = allocation_map(alloc, num_pairs=K, num_axes=A, section=sec, num_kv_heads=num_kv_heads,
-                              device=ids.device)
-        F = frequency_matrix(amap, freqs, A)  # (A, K) or (H_kv, A, K)
-        plan = parse_scaling(scaling, num_axes=A, who=f"rotary({v.label!r})")
-        F = scale_frequencies(F, plan, **spectrum)
-        angles = rope_angles(ids.permute(1, 2, 0), F)  # (B, S, K) or (B, H_kv, S, K)
-    if plan is not None:
-        attention_scaling = attention_scaling * plan.attention_factor
-    cos, sin = cos_sin(angles)
-    cos, sin = torch.cat([cos, cos], dim=-1), torch.cat([sin, sin], dim=-1)
-    if attention_scaling != 1.0:
-        cos, sin = cos * attention_scaling, sin * attention_scaling
-    return cos.to(dtype), sin.to(dtype)
-
-
-def apply_rotary_pos_emb(
-    q: Tensor, k: Tensor, cos: Tensor, sin: Tensor, unsqueeze_dim: int = 1
-) -> tuple[Tensor, Tensor]:
-    """Rotate ``q, k`` ``(B, H, S, D)`` by tables from :func:`rotary` (Hugging Face signature).
-
-    ``(B, S, d)`` tables broadcast over heads (``unsqueeze_dim``) exactly as transformers'
-    ``apply_rotary_pos_emb``; per-head ``(B, H_kv, S, d)`` tables are repeated for grouped query heads
-    (query head ``j`` uses KV head ``j // (H / H_kv)``). ``d < D`` rotates the first ``d`` channels.
-    """
-
-    def one(x: Tensor, c: Tensor, s: Tensor) -> Tensor:
-        if c.dim() == 3:
-            c, s = c.unsqueeze(unsqueeze_dim), s.unsqueeze(unsqueeze_dim)
-        elif c.dim() == 4 and c.shape[1] != x.shape[1]:
-            if x.shape[1] % c.shape[1]:
-                raise ValueError(f"{x.shape[1]} heads cannot share {c.shape[1]} per-head rotary tables")
-            rep = x.shape[1] // c.shape[1]
-            c, s = c.repeat_interleave(rep, dim=1), s.repeat_interleave(rep, dim=1)
-        half = c.shape[-1] // 2
-        return apply_rope(x, c[..., :half], s[..., :half])
-
-    return one(q, cos, sin), one(k, cos, sin)
-
-
 # --------------------------------------------------------------------------- helpers
 def merge_grids(
     mm_token_type_ids: Tensor,
@@ -394,23 +308,24 @@ def merge_grids(
     given = [(kind, torch.as_tensor(g, device=device).to(torch.int64).reshape(-1, 3))
              for kind, g in ((1, image_grid_thw), (2, video_grid_thw)) if g is not None]  # two modalities
     given = [(kind, g) for kind, g in given if g.shape[0]]
-    if len(given) == 2:  # both modalities counted by one cumsum over (2, B*S)
-        counts = (flat.unsqueeze(0) == torch.arange(1, 3, device=device).unsqueeze(1)).cumsum(-1)
-    grids, firsts, kinds = [], [], []
-    divisor = merge_divisor(m, device)  # [1, m, m]
-    for kind, g in given:
-        n = (g // divisor).prod(-1)  # (R,) tokens per row: T (H / m) (W / m)
-        cnt = counts[kind - 1] if len(given) == 2 else (flat == kind).cumsum(0)  # (B*S,) tokens of it so far
-        first = torch.searchsorted(cnt, n.cumsum(0) - n, right=True)  # (R,) flat index of each row's first token
-        firsts.append(first)
-        grids.append(g)
-        kinds.append(kind)
-    if not grids:
+    if not given:
         return torch.zeros(0, 3, dtype=torch.int64, device=device), torch.zeros(0, dtype=torch.int64, device=device)
-    if len(grids) == 1:  # one modality: its rows are already in order of appearance (non-decreasing firsts)
-        return grids[0], torch.full((grids[0].shape[0],), kinds[0], dtype=torch.int64, device=device)
-    order = torch.cat(firsts).argsort(stable=True)  # (R,) image rows first on ties, as they are listed first
-    return torch.cat(grids).index_select(0, order), 1 + (order >= grids[0].shape[0]).long()
+    if len(given) == 1:  # one modality: its rows are already in order of appearance (nothing to count)
+        kind, g = given[0]
+        return g, torch.full((g.shape[0],), kind, dtype=torch.int64, device=device)
+    (_, images), (_, videos) = given  # images first, as Hugging Face lists them
+    Ri = images.shape[0]
+    grids = torch.cat([images, videos])  # (R, 3)
+    n = torch.floor_divide(grids, merge_divisor(m, device)).prod(-1)  # (R,) tokens per row: T (H / m) (W / m)
+    ends = n.cumsum(0)
+    starts = ends - n  # (R,) tokens of the row's modality before it (videos: less all the image tokens)
+    starts[Ri:] -= ends[Ri - 1]
+    first = torch.cat([  # (R,) flat index of each row's first token, by counting the tokens of its modality
+        torch.searchsorted((flat == kind).cumsum(0), starts[lo:hi], right=True)
+        for kind, lo, hi in ((1, 0, Ri), (2, Ri, None))
+    ])
+    order = first.argsort(stable=True)  # (R,) image rows first on ties, as they are listed first
+    return grids.index_select(0, order), (order >= Ri) + 1
 
 
 def pype_attention_mask(

@@ -1,9 +1,9 @@
-"""``python -m vlpe.demo``: every registered encoding side by side.
+"""``python eval/properties.py``: every registered encoding side by side (step 4 of ``make demo``).
 
 For each name in :func:`vlpe.encodings.available` (or ``--only``) the demo
 
 1. builds the encoding as the property tests do (``dim=64, num_heads=4, depth=2``, the first of its
-   ``supported_axes``, its ``kit_options``),
+   ``supported_axes``, its declared ``example`` options),
 2. runs the property kit over every property (:func:`vlpe.testing.property_report`), one table row each,
 3. plots the attention of the centre patch over the patch grid at two resolutions, one panel per head,
    to ``<out>/attention_<name>.png``, and the head-averaged pattern of every encoding to
@@ -40,11 +40,11 @@ from typing import Sequence
 import torch
 from torch import Tensor
 
-from .attention import attention_logits
-from .encodings import available, build, get
-from .encodings.base import Encoding
-from .positions import Positions
-from .testing import CHECKS, property_report
+from vlpe.attention import attention_logits
+from vlpe.encodings import available, build, get
+from vlpe.encodings.base import Encoding
+from vlpe.positions import Positions
+from vlpe.testing import CHECKS, example, property_report
 
 __all__ = ["main", "build_for_demo", "demo_positions", "attention_map", "Row"]
 
@@ -55,11 +55,8 @@ _SHORT = {"zero_init": "zero", "rotation_invariant": "rot_inv", "extrapolation":
 
 
 def build_for_demo(name: str) -> Encoding:
-    """``name`` built as ``tests/test_properties.py`` builds it, in eval mode."""
-    cls = get(name)
-    opts = dict(getattr(cls, "kit_options", {}))
-    opts.setdefault("num_axes", cls.supported_axes[0] if cls.supported_axes else 2)
-    return build(name, dim=DIM, num_heads=HEADS, depth=DEPTH, **opts).eval()
+    """``name`` in its declared example configuration (as the property kit builds it), in eval mode."""
+    return example(name, dim=DIM, num_heads=HEADS, depth=DEPTH).eval()
 
 
 def demo_positions(num_axes: int, size: int) -> tuple[Positions, tuple[int, ...], int]:
@@ -303,9 +300,10 @@ def format_table(rows: list[Row]) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m vlpe.demo", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python eval/properties.py", description=__doc__.split("\n\n")[0])
     parser.add_argument("--only", nargs="+", metavar="NAME", help="encodings to run (default: all registered)")
-    parser.add_argument("--out", type=Path, default=Path("outputs/demo"), help="plot folder (default: outputs/demo)")
+    parser.add_argument("--out", type=Path, default=Path("outputs/properties"),
+                        help="plot folder (default: outputs/properties)")
     parser.add_argument("--sizes", nargs="+", type=int, default=list(DEFAULT_SIZES), help="grid sides (default: 8 16)")
     parser.add_argument("--no-plots", action="store_true", help="property table only")
     args = parser.parse_args(argv)

@@ -1,0 +1,82 @@
+"""Switch a Hugging Face Qwen2-VL / Qwen2.5-VL / Qwen3-VL model to any vlpe multimodal RoPE variant.
+
+Works on transformers 5.x through its public hooks, on ``Qwen2VLForConditionalGeneration``,
+``Qwen2_5_VLForConditionalGeneration``, ``Qwen3VLForConditionalGeneration`` and their base ``*Model``::
+
+    from transformers import Qwen2VLForConditionalGeneration
+    from vlpe.integrations import transformers as vlpe_hf
+    model = Qwen2VLForConditionalGeneration.from_pretrained("Qwen/Qwen2-VL-2B-Instruct")
+    vlpe_hf.apply(model, "mrope_i")                     # position ids, rotary and generation follow MRoPE-I
+    out = model.generate(**inputs, max_new_tokens=32)  # inputs from the model's processor, as usual
+
+``vlpe_hf.remove(model)`` restores the stock model. ``variant`` is any name of
+:data:`vlpe.encodings.multimodal.VARIANTS` or a :class:`vlpe.encodings.multimodal.Variant` (any position design
+with any frequency allocation); ``options`` are the design's options (``spatial_reset=True``,
+``temporal_scale=0.75``, ``stride=64`` ...) plus ``section``, ``allocation`` and ``theta`` for the rotary.
+
+What :func:`apply` changes, all of it undone by :func:`remove`:
+
+- ``language_model.rotary_emb`` becomes a :class:`MultimodalRotary` (``forward(x, position_ids) -> (cos, sin)``,
+  Hugging Face half layout) built on :func:`vlpe.encodings.multimodal.rotary`, with the model's own inverse
+  frequencies (so static rope scaling such as YaRN carries over) and ``rope_theta``. The config's
+  ``rope_parameters`` scaling holds for every variant: ``linear`` / ``yarn`` (and any static type) through those
+  frequencies, ``dynamic`` (NTK, recomputed from each forward's largest position id as transformers does while
+  positions grow) through vlpe's NTK scaling; with ``theta=`` the linear / yarn / dynamic scaling of the config is
+  applied by vlpe to that theta, and ``scaling=`` (a vlpe scaling dict, e.g. ``{"type": "yarn", "factor": {"t": 4},
+  "original_size": 32768}`` to stretch only time) replaces the config's. When the variant uses the
+  model's native allocation (chunked for Qwen2/2.5-VL, interleaved for Qwen3-VL) and no ``section`` is given, the
+  config's ``mrope_section`` is used, so ``mrope`` / ``qwen25vl`` / ``qwen3vl`` reproduce the released models.
+- The base model's ``compute_3d_position_ids`` and ``get_rope_index`` are replaced on the instance: the prompt's
+  ids come from :func:`vlpe.encodings.multimodal.position_ids` (the released semantics of each design, not the
+  installed transformers' 5.x re-implementation), ``rope_deltas`` are the design's, and every token that follows
+  a cached prefix is placed by :func:`vlpe.encodings.multimodal.decode_position_ids` (cache position + delta).
+- ``generate()`` no longer precomputes ``position_ids`` (its ``last + 1`` extension is wrong whenever a prompt
+  ends inside a vision block, and per layer for PyPE); because it hands the grids to the vision encoder before the
+  first forward, the prompt's ids are computed when generation starts and picked up by the first forward after
+  checking its ``mm_token_type_ids``.
+- Per-head tables (``multi_head`` allocation, MHRoPE): forward hooks on every decoder attention's query and key
+  modules (the projections; Qwen3-VL's head-wise norms) rotate every head by its KV head's axis, and the layer's
+  own ``apply_rotary_pos_emb`` gets identity tables. No modeling file is touched, so other models (and other
+  copies of this one) are unaffected.
+- Layer-dependent designs (PyPE) get a forward pre-hook on every decoder attention that picks the layer's own
+  tables from the ``position_embeddings`` it receives (``(cos, sin, ids, labels)``) and builds its mask; the mask
+  runs through a registered attention function (``vlpe_sdpa`` / ``vlpe_eager`` in
+  :class:`transformers.AttentionInterface`) set on the text model's config only.
+
+Everything lives on the model instance (:class:`Patch` is the rotary module's ``patch``; hooks and shadowed methods
+are its bound methods), so ``copy.deepcopy(model)`` gives an independently patched copy (``remove`` on either
+leaves the other as it was), ``torch.save(model)`` / ``torch.load(..., weights_only=False)`` round-trips a patched
+model, and models patched with different variants run side by side in one process. The rotary module computes its
+frequency matrix once per device and keeps it (no host-to-device copy per forward).
+
+Ids for a collator: :func:`position_ids` (or :func:`pack_position_ids` of ids computed with
+:func:`vlpe.encodings.multimodal.position_ids`) returns the packed tensor to pass as ``model(..., position_ids=...)``.
+Do not pass ``position_ids`` to ``generate()`` of a patched model: let it compute them.
+
+Packed rows (several samples per row, for training): ``position_ids(model, ..., cu_seqlens=cu)`` gives every
+sample its own ids and a text row that restarts at every sample (:func:`vlpe.encodings.multimodal.text_position_ids`).
+Run the forward with those ``position_ids``, without ``attention_mask`` and without a cache (``use_cache=False``):
+transformers builds a block-diagonal causal mask from the text row of a 4-row tensor (3-axis designs), the patch
+builds the same mask for every other row count (1D designs, VRoPE, PyPE), and PyPE's own mask keeps to each
+sample, so every sample's logits equal those of the sample run alone. Padding goes inside a sample (e.g. at the end
+of a row's last one) and into the ``attention_mask`` given to :func:`position_ids` only: its slots get text
+position 0, so each attends to itself alone. Flash attention reads the text row of 4-row tensors only.
+"""
+
+
+from .attention import register_attention
+from .ids import pack_position_ids
+from .patch import Patch, apply, patch_of, position_ids, remove
+from .rotary import MultimodalRotary, RotarySettings
+
+__all__ = [
+    "Patch",
+    "MultimodalRotary",
+    "RotarySettings",
+    "apply",
+    "remove",
+    "patch_of",
+    "position_ids",
+    "pack_position_ids",
+    "register_attention",
+]

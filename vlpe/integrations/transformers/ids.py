@@ -1,0 +1,276 @@
+"""Position ids of a patched model: the packed tensor its decoder takes, prompts, cached decoding, generate()."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from vlpe.encodings import multimodal as mm
+
+__all__ = ["pack_position_ids", "PositionIds"]
+
+
+def pack_position_ids(
+    ids: Tensor, attention_mask: Tensor | None = None, *, masked: bool, cu_seqlens=None
+) -> Tensor:
+    """The position tensor a patched model takes, from a design's ids ``(A, B, S)`` (e.g. computed in a collator
+    with :func:`vlpe.encodings.multimodal.position_ids`): ``(1 + A [+ 1], B, S)``.
+
+    Rows: the Hugging Face 1D text row (every real token's index in its sample, 0 on padding; restarting at every
+    sample with ``cu_seqlens``), the ids, and for designs with their own attention mask (PyPE, ``masked``; see
+    :attr:`vlpe.encodings.multimodal.Variant.masked`) the sample label of every token (0 padding, else 1, or the
+    packed sample's number + 1). Float when the ids are.
+    """
+    A, B, S = ids.shape
+    text = mm.text_position_ids((B, S), attention_mask, cu_seqlens=cu_seqlens, device=ids.device)  # (B, S)
+    label = None
+    if masked:
+        label = torch.ones(B, S, dtype=torch.long, device=ids.device)
+        if attention_mask is not None:
+            label = label * (attention_mask != 0).to(device=ids.device)
+        if cu_seqlens is not None:  # packed samples never attend to each other (the layer masks)
+            label = label * (mm.packed_samples(cu_seqlens, B, S, device=ids.device).index + 1)
+    return _stack(text, ids, label)
+
+
+def _stack(text: Tensor, ids: Tensor, label: Tensor | None) -> Tensor:
+    """``(1 + A [+ 1], B, S)``: text row, ids, label row (if any), in the ids' dtype when float, else int64."""
+    parts = [text[None], ids] + ([label[None]] if label is not None else [])
+    dtype = ids.dtype if ids.is_floating_point() else torch.long
+    return torch.cat([p.to(device=ids.device, dtype=dtype) for p in parts], dim=0)
+
+
+def _pads(mask: Tensor | None, B: int, S: int, device) -> Tensor:
+    """``(B, 1)`` padding slots of every prompt."""
+    if mask is None:
+        return torch.zeros(B, 1, dtype=torch.long, device=device)
+    return S - mask.long().sum(-1, keepdim=True).to(device)
+
+
+class PositionIds:
+    """The id bookkeeping of :class:`vlpe.integrations.transformers.Patch` (a mixin: the patch holds ``variant``,
+    ``family``, ``spatial_merge_size``, ``num_axes``, ``masked``, ``base`` and the per-instance state
+    ``_pending`` / ``_pads``)."""
+
+    @property
+    def rows(self) -> int:
+        """Rows of the packed position tensor after the Hugging Face text row: ids, then the sample labels."""
+        return self.num_axes + int(self.masked)
+
+    # -- packed position tensor ----------------------------------------------------------------------------------
+
+    def pack(self, text_pos: Tensor, ids: Tensor, valid: Tensor | None) -> Tensor:
+        """``(1 + rows, B, S)`` from the text row, the design's ids and (masked designs) the sample labels."""
+        return _stack(text_pos, ids, valid if self.masked else None)
+
+    def text_only(self, text_pos: Tensor) -> Tensor:
+        """The packed tensor of text tokens at 1D positions ``text_pos (B, S)`` (no vision block before them)."""
+        B = text_pos.shape[0]
+        deltas = torch.zeros(B, 1, dtype=text_pos.dtype, device=text_pos.device)
+        ids = mm.decode_position_ids(self.variant, deltas, text_pos)
+        return self.pack(text_pos, ids, torch.ones_like(text_pos, dtype=torch.bool))
+
+    def unpack(self, position_ids: Tensor) -> tuple[Tensor, Tensor | None]:
+        """``(ids (A, B, S), sample labels (B, S) or None)`` of a packed tensor, with or without its text row
+        (the decoder drops it from 4-row tensors); ``(B, S)`` are plain 1D positions of text tokens."""
+        p = position_ids
+        if p.dim() == 2:
+            p = self.text_only(p)
+        if p.dim() == 3 and p.shape[0] in (self.rows + 1, self.rows):
+            p = p[-self.rows :]
+            if self.masked:
+                return p[:-1], p[-1]
+            return p, None
+        raise ValueError(
+            f"position_ids of shape {tuple(p.shape)} do not fit variant {self.label!r}: expected "
+            f"({self.rows + 1}, B, S) from vlpe.integrations.transformers.position_ids, or (B, S) 1D positions"
+        )
+
+    # -- ids -----------------------------------------------------------------------------------------------------
+
+    def prompt_position_ids(
+        self,
+        mm_token_type_ids: Tensor | None,
+        image_grid_thw: Tensor | None = None,
+        video_grid_thw: Tensor | None = None,
+        attention_mask: Tensor | None = None,
+        second_per_grid_ts: Tensor | None = None,
+        *,
+        shape: tuple[int, int] | None = None,
+        device=None,
+        cu_seqlens=None,
+    ) -> tuple[Tensor, Tensor]:
+        """Packed ids ``(1 + rows, B, S)`` and ``rope_deltas`` of whole prompts (nothing cached); with
+        ``cu_seqlens`` (packed rows) every sample's own ids, a restarting text row, and ``rope_deltas (n, 1)``."""
+        if mm_token_type_ids is None:
+            if image_grid_thw is not None or video_grid_thw is not None:
+                raise ValueError(
+                    "image_grid_thw / video_grid_thw given without mm_token_type_ids: pass the processor's "
+                    "mm_token_type_ids (0 text, 1 image, 2 video per token)"
+                )
+            if shape is None:
+                raise ValueError("text-only position ids need input_ids (or the batch shape)")
+            mm_token_type_ids = torch.zeros(shape, dtype=torch.long, device=device)
+        types = mm_token_type_ids.long()
+        B, S = types.shape
+        if attention_mask is not None and (attention_mask.dim() != 2 or tuple(attention_mask.shape) != (B, S)):
+            raise ValueError(
+                f"attention_mask must be a 2D (batch, seq) padding mask matching mm_token_type_ids {(B, S)}, "
+                f"got {tuple(attention_mask.shape)}"
+            )
+        options: dict[str, Any] = {}
+        if video_grid_thw is not None and self.family == "qwen3_vl":
+            # Qwen3-VL emits every temporal patch as its own block after a timestamp: one T = 1 grid each
+            frames = video_grid_thw[:, 0]
+            video_grid_thw = video_grid_thw.repeat_interleave(frames, dim=0)
+            video_grid_thw[:, 0] = 1
+            if second_per_grid_ts is not None:
+                spg = torch.as_tensor(second_per_grid_ts)
+                second_per_grid_ts = spg.repeat_interleave(frames.to(spg.device))
+        v = self.variant
+        defaults = mm.DESIGNS[v.design].defaults
+        if (second_per_grid_ts is not None and "second_per_grid_ts" in defaults
+                and v.design_options.get("second_per_grid_ts") is None):
+            options["second_per_grid_ts"] = second_per_grid_ts
+        grid, _ = mm.merge_grids(types, image_grid_thw, video_grid_thw, attention_mask, self.spatial_merge_size)
+        ids, deltas = mm.position_ids(
+            v, types, grid, attention_mask, self.spatial_merge_size, cu_seqlens=cu_seqlens, **options
+        )
+        return pack_position_ids(ids, attention_mask, masked=self.masked, cu_seqlens=cu_seqlens), deltas
+
+    def compute_3d_position_ids(
+        self,
+        input_ids: Tensor | None = None,
+        inputs_embeds: Tensor | None = None,
+        image_grid_thw: Tensor | None = None,
+        video_grid_thw: Tensor | None = None,
+        attention_mask: Tensor | None = None,
+        cache=None,
+        mm_token_type_ids: Tensor | None = None,
+        second_per_grid_ts: Tensor | None = None,
+        **kwargs,
+    ) -> Tensor:
+        """Bound on the base model: prompt ids from vlpe; tokens after a cached prefix from the vlpe deltas."""
+        cache = kwargs.pop("past_key_values", cache)
+        B, S = inputs_embeds.shape[:2] if inputs_embeds is not None else input_ids.shape
+        device = inputs_embeds.device if inputs_embeds is not None else input_ids.device
+        cached = 0 if cache is None else cache.get_seq_length()
+        # generate() with a compileable (static) cache hands the model prepared 4D masks (a dict): the padding
+        # of the prompt then comes from the ids computed when generation started
+        mask = attention_mask if isinstance(attention_mask, Tensor) and attention_mask.dim() == 2 else None
+        if cached == 0:
+            if image_grid_thw is None and video_grid_thw is None and self._pending is not None:
+                found = self._from_pending(mm_token_type_ids)
+                if found is not None:  # the prompt of the running generate() call (+ its generated tokens)
+                    pos, deltas, pads = found
+                    self._remember(deltas, pads)
+                    return pos.to(device)
+            if attention_mask is not None and mask is None:
+                raise ValueError(
+                    "the vlpe patch computes prompt ids from a 2D (batch, seq) attention_mask (padding), not from a "
+                    "prepared 4D mask"
+                )
+            pos, deltas = self.prompt_position_ids(
+                mm_token_type_ids, image_grid_thw, video_grid_thw, mask, second_per_grid_ts,
+                shape=(B, S), device=device,
+            )
+            self._remember(deltas, _pads(mask, B, S, device))
+            return pos.to(device)
+        # tokens after a cached prefix: text placed at cache position + rope delta
+        if S > 1 and mm_token_type_ids is not None and bool((mm_token_type_ids[:, -S:] != 0).any()):
+            raise ValueError(
+                "image/video tokens after a cached prefix are not supported by the vlpe patch: run the whole prompt "
+                "through one forward (or one generate call) so its vision blocks get their vlpe ids"
+            )
+        deltas = self.base.rope_deltas
+        if deltas is None:
+            raise ValueError(
+                "a cache is present but no rope_deltas were computed: run the prompt through the model first"
+            )
+        deltas = deltas.to(device)
+        deltas = deltas.repeat_interleave(B // deltas.shape[0], dim=0)
+        cache_position = torch.arange(cached, cached + S, device=device)
+        if mask is not None:  # real-token index from the mask of the whole sequence
+            ids = mm.decode_position_ids(self.variant, deltas, cache_position, attention_mask=mask)
+            text_pos = (mask.long().cumsum(-1) - 1)[:, -S:]
+        else:  # from the prompt's padding: every token after the prompt is real
+            pads = self._pads
+            pads = torch.zeros(B, 1, dtype=torch.long, device=device) if pads is None else pads.to(device)
+            text_pos = cache_position.expand(B, S) - pads.repeat_interleave(B // pads.shape[0], dim=0)
+            ids = mm.decode_position_ids(self.variant, deltas, text_pos)
+        return self.pack(text_pos, ids, torch.ones(B, S, dtype=torch.bool, device=device))
+
+    def _remember(self, deltas: Tensor, pads: Tensor) -> None:
+        """Keep what later tokens are placed from: ``rope_deltas`` (on the model, as transformers does) and the
+        number of padding slots of every prompt."""
+        self.base.rope_deltas = deltas
+        self._pads = pads
+
+    def _from_pending(self, types: Tensor | None) -> tuple[Tensor, Tensor, Tensor] | None:
+        """Ids of the prompt computed when ``generate()`` started, if ``types`` are that prompt's (repeated for
+        beams / ``num_return_sequences``), followed by generated text tokens (``use_cache=False`` re-runs the
+        whole sequence at every step)."""
+        stored, pos, deltas, pads = self._pending
+        B0, S0 = stored.shape
+        if types is None or types.dim() != 2 or types.shape[1] < S0 or types.shape[0] % B0:
+            return None
+        k = types.shape[0] // B0
+        stored = stored.to(types.device).repeat_interleave(k, dim=0)
+        if not torch.equal(stored, types[:, :S0]) or bool((types[:, S0:] != 0).any()):
+            return None
+        dev = types.device
+        pos, deltas, pads = (t.to(dev).repeat_interleave(k, dim=d) for t, d in ((pos, 1), (deltas, 0), (pads, 0)))
+        n = types.shape[1] - S0
+        if n:
+            B = types.shape[0]
+            text_pos = torch.arange(S0, S0 + n, device=dev).expand(B, n) - pads  # generated tokens are real
+            ids = mm.decode_position_ids(self.variant, deltas, text_pos)
+            pos = torch.cat([pos, self.pack(text_pos, ids, torch.ones(B, n, dtype=torch.bool, device=dev))], -1)
+        return pos, deltas, pads
+
+    def prepare_position_ids_for_generation(self, inputs_tensor: Tensor, model_kwargs: dict) -> None:
+        """Bound on the generation model: ``generate()`` computes no ``position_ids`` of its own.
+
+        ``generate()`` hands the grids to the vision encoder (and drops them) before the first forward, so the
+        prompt's ids are computed here while the grids are at hand; the first forward takes them after checking
+        its ``mm_token_type_ids`` (repeated for beams / ``num_return_sequences``). Every later step is placed from
+        the vlpe ``rope_deltas``.
+        """
+        self._pending = None
+        cache = model_kwargs.get("cache", model_kwargs.get("past_key_values"))
+        types = model_kwargs.get("mm_token_type_ids")
+        if types is None or (cache is not None and cache.get_seq_length() > 0):
+            return None
+        if "input_ids" in model_kwargs and model_kwargs["input_ids"].shape[1] > 0:
+            inputs_tensor = model_kwargs["input_ids"]
+        mask = model_kwargs.get("attention_mask")
+        mask = mask if isinstance(mask, Tensor) and mask.dim() == 2 else None
+        pos, deltas = self.prompt_position_ids(
+            types, model_kwargs.get("image_grid_thw"), model_kwargs.get("video_grid_thw"), mask,
+            model_kwargs.get("second_per_grid_ts"), shape=tuple(inputs_tensor.shape[:2]), device=inputs_tensor.device,
+        )
+        self._pending = (types.clone(), pos, deltas, _pads(mask, *types.shape, types.device))
+        self.base.rope_deltas = deltas
+        return None
+
+    def get_rope_index(
+        self,
+        input_ids: Tensor | None = None,
+        mm_token_type_ids: Tensor | None = None,
+        image_grid_thw: Tensor | None = None,
+        video_grid_thw: Tensor | None = None,
+        attention_mask: Tensor | None = None,
+        second_per_grid_ts: Tensor | None = None,
+        **kwargs,
+    ) -> tuple[Tensor, Tensor]:
+        """Bound on the base model (Hugging Face signature): the design's ids ``(A, B, S)`` and ``rope_deltas``."""
+        shape = None if input_ids is None else tuple(input_ids.shape)
+        device = None if input_ids is None else input_ids.device
+        pos, deltas = self.prompt_position_ids(
+            mm_token_type_ids, image_grid_thw, video_grid_thw, attention_mask, second_per_grid_ts,
+            shape=shape, device=device,
+        )
+        ids, _ = self.unpack(pos)
+        return ids, deltas
