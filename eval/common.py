@@ -18,13 +18,14 @@ import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterable, Sequence
+from typing import Any, Callable, Iterable, Sequence
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
 __all__ = [
+    "write_tables",
     "Run",
     "load_run",
     "pick_device",
@@ -206,3 +207,15 @@ def write_json(path: Path, obj: Any) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(obj, indent=2) + "\n")
     return path
+
+
+def write_tables(evals: Sequence[dict], out_dir: str | Path, name: str, markdown: Callable[[Sequence[dict]], str]
+                 ) -> dict[str, Path]:  # fmt: skip
+    """``<name>.json`` (``{"runs": evals}``) and ``<name>.md`` (``markdown(evals)``) under ``out_dir``: the part
+    of every evaluation script's report that is not a figure."""
+    if not evals:
+        raise ValueError("write_report needs at least one evaluated run")
+    out = Path(out_dir)
+    paths = {"json": write_json(out / f"{name}.json", {"runs": list(evals)}), "md": out / f"{name}.md"}
+    paths["md"].write_text(markdown(evals))
+    return paths

@@ -16,7 +16,7 @@ from typing import Any, Sequence
 
 import torch
 
-from common import fmt, markdown_table, write_json
+from common import fmt, markdown_table, write_tables
 
 __all__ = ["TASKS", "REPORT_SCORINGS", "summarize", "markdown", "heatmap", "write_report"]
 
@@ -112,11 +112,8 @@ def heatmap(ev: dict, path: Path, *, title: str | None = None) -> Path:
 
 def write_report(evals: Sequence[dict], out_dir: str | Path) -> dict[str, Path]:
     """``long_video.json``, ``long_video.md`` and ``heatmap_<run>.png`` per run under ``out_dir``."""
-    if not evals:
-        raise ValueError("write_report needs at least one evaluated run")
     out = Path(out_dir)
-    paths = {"json": write_json(out / "long_video.json", {"runs": list(evals)}), "md": out / "long_video.md"}
-    paths["md"].write_text(markdown(evals))
+    paths = write_tables(evals, out, "long_video", markdown)
     for ev in evals:
         paths[f"heatmap_{ev['name']}"] = heatmap(ev, out / f"heatmap_{ev['name']}.png")
     return paths

@@ -30,7 +30,7 @@ from typing import Any, Sequence
 import torch
 from torch.utils.data import DataLoader, Subset
 
-from common import classification_metrics, fmt, load_run, markdown_table, pick_device, predict, write_json
+from common import classification_metrics, fmt, load_run, markdown_table, pick_device, predict, write_tables
 
 __all__ = ["GROUPINGS", "evaluate_points_run", "markdown", "write_report", "main"]
 
@@ -162,11 +162,8 @@ def markdown(evals: Sequence[dict]) -> str:
 
 def write_report(evals: Sequence[dict], out_dir: str | Path) -> dict[str, Path]:
     """``points.json`` and ``points.md`` under ``out_dir``."""
-    if not evals:
-        raise ValueError("write_report needs at least one evaluated run")
     out = Path(out_dir)
-    paths = {"json": write_json(out / "points.json", {"runs": list(evals)}), "md": out / "points.md"}
-    paths["md"].write_text(markdown(evals))
+    paths = write_tables(evals, out, "points", markdown)
     return paths
 
 

@@ -41,7 +41,7 @@ from common import (
     markdown_table,
     pick_device,
     predict,
-    write_json,
+    write_tables,
 )
 
 __all__ = ["PROTOCOLS", "resolve_protocol", "test_dataset", "size_bins", "evaluate_run", "write_report", "main"]
@@ -281,11 +281,8 @@ def plot(evals: Sequence[dict], path: Path) -> Path:
 
 def write_report(evals: Sequence[dict], out_dir: str | Path) -> dict[str, Path]:
     """``resolution.json``, ``resolution.md`` and ``resolution.png`` under ``out_dir``."""
-    if not evals:
-        raise ValueError("write_report needs at least one evaluated run")
     out = Path(out_dir)
-    paths = {"json": write_json(out / "resolution.json", {"runs": list(evals)}), "md": out / "resolution.md"}
-    paths["md"].write_text(markdown(evals))
+    paths = write_tables(evals, out, "resolution", markdown)
     paths["png"] = plot(evals, out / "resolution.png")
     return paths
 
