@@ -210,6 +210,27 @@ def test_positions_lattice_flag():
     assert not vlpe.Positions.video(2, 3, 3, timestamps=torch.tensor([0.0, 0.7])).lattice
 
 
+@pytest.mark.parametrize("name", ["fire", "lookhere", "alibi"])
+def test_vit_inference_takes_the_lattice_tables(name, monkeypatch):
+    """A ViT with its own CLS at 1,025 tokens reaches the lattice tables in inference (its tokenizer's
+    positions keep ``lattice`` through the prepended CLS) and gives the reference path's logits."""
+    import vlpe.attention_fast as fast_mod
+    from models.vit import ViT
+
+    torch.manual_seed(0)
+    model = ViT(img_size=32, patch_size=1, in_chans=1, num_classes=3, embed_dim=16, depth=2, num_heads=2,
+                encoding=name).eval()
+    x = torch.randn(2, 1, 32, 32)  # 32 x 32 patches + CLS = 1,025 tokens >= FAST_MIN_TOKENS
+    calls = []
+    real = fast_mod._lattice_attention
+    monkeypatch.setattr(fast_mod, "_lattice_attention", lambda *a, **k: calls.append(1) or real(*a, **k))
+    with torch.no_grad():
+        out = model(x)
+    assert len(calls) == 2  # one per block
+    ref = model(x)  # parameters need gradients: the reference path
+    torch.testing.assert_close(out, ref.detach(), rtol=1e-4, atol=1e-5)
+
+
 @pytest.mark.parametrize("name", ["pape", "pape_ri"])
 def test_widened_qk_fast_path(name):
     """PaPE's widened q/k: v padded to their width on the fast path (SDPA's fused kernel), same output."""

@@ -135,6 +135,22 @@ def test_prepend_prefix_keeps_tokens_and_positions_in_step():
     assert p.valid[:, 0].all() and torch.equal(p.valid[:, 1:], valid)
 
 
+def test_prepend_prefix_keeps_the_lattice_claim_of_a_grid():
+    """A CLS prepended to a grid is the layout of ``Positions.grid(prefix=1)``, lattice included (the fast
+    path's tables need it); padded or moved positions stay off the lattice."""
+    x = torch.randn(2, 12, 8)
+    _, p = prepend_prefix(x, Positions.grid(3, 4), torch.randn(1, 8))
+    ref = Positions.grid(3, 4, prefix=1)
+    assert p.lattice and p.prefix == 1 and p.grid == (3, 4) and torch.equal(p.coords, ref.coords)
+    _, p = prepend_prefix(x, Positions.grid(3, 4).with_coords(ref.coords[:, 1:] + 0.5), torch.randn(1, 8))
+    assert not p.lattice
+    grid = Positions.grid(3, 4)
+    padded = Positions(grid.coords.expand(2, -1, -1), grid=(3, 4), valid=torch.ones(2, 12, dtype=torch.bool))
+    object.__setattr__(padded, "lattice", True)
+    _, p = prepend_prefix(x, padded, torch.randn(1, 8))
+    assert not p.lattice
+
+
 # --------------------------------------------------------------------------- video
 def test_video_tubelets_match_an_explicit_einsum_and_grid():
     tok = VideoTokenizer(dim=12, patch_size=4, tubelet_size=2, in_chans=3)

@@ -95,7 +95,9 @@ def prepend_prefix(x: Tensor, pos: Positions, tokens: Tensor) -> tuple[Tensor, P
     """Prepend prefix ``tokens`` (P, C) or (1 | B, P, C) to ``x`` (B, N, C) and describe them in ``pos``.
 
     The new tokens come first, before any prefix ``pos`` already has; they are real (``valid``) and sit at
-    coordinate 0, as :class:`~vlpe.Positions` requires. The grid claim and axis names are kept.
+    coordinate 0, as :class:`~vlpe.Positions` requires. The grid claim and axis names are kept, and so is
+    ``lattice`` (the result is the layout :meth:`Positions.grid_nd` builds with the larger prefix), which is
+    what lets a model that adds its own CLS take the lattice tables of the inference fast path.
     """
     if tokens.dim() == 2:
         tokens = tokens.unsqueeze(0)
@@ -109,5 +111,7 @@ def prepend_prefix(x: Tensor, pos: Positions, tokens: Tensor) -> tuple[Tensor, P
     valid = pos.valid
     if valid is not None:
         valid = torch.cat([valid.new_ones(valid.shape[0], P), valid], dim=1)  # (B, P + N)
+    lattice = pos.lattice and valid is None
     pos = Positions(coords, prefix=pos.prefix + P, grid=pos.grid, valid=valid, axes=pos.axes)
+    object.__setattr__(pos, "lattice", lattice)
     return x, pos
