@@ -254,6 +254,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--results", default=str(ROOT / "results"), help="where the records and the report go")
     p.add_argument("--readme", default=str(ROOT / "README.md"), help="README to update ('' to skip)")
     p.add_argument("--fresh", action="store_true", help="retrain and re-evaluate every planned run")
+    p.add_argument("--reevaluate", action="store_true",
+                   help="evaluate again every planned run whose weights are under --runs (after a change to the "
+                        "evaluation code; the training is reused, runs without weights keep their records)")
     p.add_argument("--no-progress", action="store_true")
     args = p.parse_args(argv)
     results = Path(args.results)
@@ -268,7 +271,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"[suite] {len(jobs)} jobs: " + ", ".join(
             f"{fam} {sum(j.family == fam for j in jobs)}" for fam in args.families), flush=True)  # fmt: skip
         t0 = time.perf_counter()
-        failed = run_jobs(jobs, jobs_at_once=args.jobs, fresh=args.fresh, progress=not args.no_progress)
+        failed = run_jobs(jobs, jobs_at_once=args.jobs, fresh=args.fresh, reevaluate=args.reevaluate,
+                          progress=not args.no_progress)
         wall = time.perf_counter() - t0
         for f in failed:
             print(f"[suite] {f}", file=sys.stderr)

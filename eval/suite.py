@@ -163,18 +163,24 @@ def _strip(ev: dict) -> dict:
     return {k: v for k, v in ev.items() if k not in ("run",)}
 
 
-def execute(job: Job, *, fresh: bool, threads: int, status: dict[str, str]) -> str | None:
-    """Train (unless exported) and evaluate one job; write its record. An error message, or None."""
+def execute(
+    job: Job, *, fresh: bool, threads: int, status: dict[str, str], reevaluate: bool = False
+) -> str | None:
+    """Train (unless exported) and evaluate one job; write its record. An error message, or None.
+
+    ``reevaluate``: a matching record is redone when the run's weights are here (the evaluation code changed,
+    the training did not); without the weights the record is kept, so it never retrains.
+    """
     rec_path = record_path(job.results_dir, job.family, job.encoding, job.seed)
-    if not fresh and _record_ok(rec_path, job):
+    run_dir = job.run_dir
+    weights = run_dir / "model.safetensors"
+    if not fresh and _record_ok(rec_path, job) and not (reevaluate and weights.is_file()):
         return None
     env = _child_env(threads)
-    run_dir = job.run_dir
     if fresh and run_dir.exists():
         shutil.rmtree(run_dir)
     timing_path = run_dir / "timing.json"
     timing = json.loads(timing_path.read_text()) if timing_path.is_file() else {}
-    weights = run_dir / "model.safetensors"
     if not weights.is_file():
         status[job.key] = "train"
         rc, wall, cpu = run_logged(job_command_train(job), run_dir / "train.log", env=env)
@@ -215,14 +221,18 @@ def execute(job: Job, *, fresh: bool, threads: int, status: dict[str, str]) -> s
     return None
 
 
-def run_jobs(jobs: Sequence[Job], *, jobs_at_once: int, fresh: bool = False, progress: bool = True) -> list[str]:
-    """Execute ``jobs`` (``jobs_at_once`` concurrently, one thread each); the error messages of failed jobs."""
+def run_jobs(
+    jobs: Sequence[Job], *, jobs_at_once: int, fresh: bool = False, reevaluate: bool = False, progress: bool = True
+) -> list[str]:
+    """Execute ``jobs`` (``jobs_at_once`` concurrently, one thread each); the error messages of failed jobs.
+    ``fresh`` retrains and re-evaluates everything; ``reevaluate`` re-evaluates the runs whose weights are here
+    (see :func:`execute`)."""
     threads = max(1, (os.cpu_count() or 1) // max(1, jobs_at_once))
     status: dict[str, str] = {}
     errors: list[str] = []
     t0 = time.perf_counter()
     with ThreadPoolExecutor(max_workers=jobs_at_once) as pool:
-        futures = {pool.submit(execute, j, fresh=fresh, threads=threads, status=status): j for j in jobs}
+        futures = {pool.submit(execute, j, fresh=fresh, threads=threads, status=status, reevaluate=reevaluate): j for j in jobs}
         done = 0
         for f in futures:
             err = f.result()

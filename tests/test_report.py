@@ -186,6 +186,22 @@ def test_suite_reuses_matching_records_and_redoes_stale_ones(tmp_path, monkeypat
     assert len(calls) == 1  # the stale record is redone
 
 
+def test_reevaluate_redoes_only_the_evaluation_of_runs_with_weights(tmp_path, monkeypatch):
+    results = tmp_path / "results"
+    calls = []
+    monkeypatch.setattr(suite, "run_logged", lambda cmd, log, env: calls.append(cmd) or (1, 0.0, 0.0))
+    jobs = suite.plan(["vlm"], encodings=["mrope"], seeds=2, runs_dir=tmp_path / "runs", results_dir=results)
+    for seed in (0, 1):
+        write_record(results, "vlm", "mrope", seed,
+                     {"mrope": vlm_ev([1, 1, 1, 1], seed), "mrope+yarn_t": vlm_ev([1, 1, 1, 1], seed)})
+    jobs[0].run_dir.mkdir(parents=True)
+    (jobs[0].run_dir / "model.safetensors").write_bytes(b"")  # seed 0 has weights, seed 1 only its record
+    assert suite.run_jobs(jobs, jobs_at_once=1, progress=False) == [] and calls == []  # plain: all reused
+    errors = suite.run_jobs(jobs, jobs_at_once=1, reevaluate=True, progress=False)
+    assert len(calls) == 1 and "eval" in str(calls[0][1]) and "train" not in str(calls[0][1])
+    assert len(errors) == 1 and "seed0" in errors[0] and "evaluation failed" in errors[0]
+
+
 def test_plan_errors():
     with pytest.raises(ValueError, match="family"):
         suite.plan(["nope"], runs_dir=Path("r"), results_dir=Path("s"))
