@@ -5,7 +5,7 @@ description of the batch and assembles positions from it; for the common case of
 temporal stride and ``B * S * stride < 2**23``, :func:`grid_position_ids` gets the same ids with one
 ``cumsum`` locating each block's last token, one in-place ``cumsum`` of a small int32 buffer of per-block
 changes, and float32 divisions (exact below ``2**24``). Its checks (token types, grid rows, vision token
-count, blocks across row starts, blocks matching runs of tokens) fold into eight numbers read once; on any
+count, blocks across row starts, blocks matching runs of tokens) fold into seven numbers read once; on any
 failure it returns None and the general path raises the same error. Equality with the general path is
 tested over every option in ``tests/test_mm_position_ids.py``.
 """
@@ -22,22 +22,22 @@ from .layout import _as_grid, _checked_inputs, merge_divisor
 __all__ = ["grid_position_ids"]
 
 
-_CONSTS: dict[tuple, tuple[Tensor, ...]] = {}
+_CONSTS: dict[torch.device, tuple[Tensor, ...]] = {}
 _BIG = 1 << 62
-#: bounds of the eight quantities :func:`grid_position_ids` checks, in the general path's check order
-_LOWER = (0, -_BIG, 1, -_BIG, 0, -_BIG, 0, 0)
-_UPPER = (_BIG, 2, _BIG, 0, 0, 0, 0, 0)
+#: bounds of the seven quantities :func:`grid_position_ids` checks
+_LOWER = (0, -_BIG, 1, -_BIG, -_BIG, 0, 0)
+_UPPER = (_BIG, 2, _BIG, 0, 0, 0, 0)
 
 
 def _consts(device: torch.device) -> tuple[Tensor, ...]:
     """The small constant tensors of :func:`grid_position_ids`, kept per device (never copied to it again):
     ``(4, 1)`` zeros, the ``(4, 1)`` weights of a row's own state and of the previous row's in its change, and
-    the ``(8,)`` lower and upper bounds of the checked quantities."""
-    key = (device.type, device.index)
-    if key not in _CONSTS:
+    the ``(7,)`` lower and upper bounds of the checked quantities."""
+    consts = _CONSTS.get(device)  # (a torch.device is its own key: no attribute reads per call)
+    if consts is None:
         rows = ([[0]] * 4, [[0], [1], [1], [0]], [[1], [-1], [-1], [-1]], _LOWER, _UPPER)
-        _CONSTS[key] = tuple(torch.tensor(r, dtype=torch.int64, device=device) for r in rows)
-    return _CONSTS[key]
+        consts = _CONSTS[device] = tuple(torch.tensor(r, dtype=torch.int64, device=device) for r in rows)
+    return consts
 
 
 def grid_position_ids(
@@ -69,9 +69,12 @@ def grid_position_ids(
        the running position (up to the value at the sample's start) and its block's ``H`` and ``W``;
     4. ``(tau, i, j)`` from the offset by float32 division (exact: every value is an integer below 2**24).
 
-    With ``validate`` the general path's checks are folded into eight scalars read once: token types in 0..2,
-    merged grids >= 1 with ``H, W`` divisible, the vision token count, no block across a row start (the offset
-    is 0 at every row start), and blocks = runs (exactly R runs of one vision type start, each at offset 0).
+    With ``validate`` the general path's checks are folded into seven integers read once: token types in 0..2,
+    merged grids >= 1 with ``H, W`` divisible, the offset 0 at every row start and after the last token, and
+    blocks = runs (exactly R runs of one vision type start, each at offset 0). These imply the vision token
+    count: a vision token with offset 0 starts a block that has tokens, so R runs at offset 0 need all R blocks
+    to have tokens; missing tokens then leave the last block open and extra ones follow its end, and either
+    way the offset after the last token is not 0.
     """
     try:
         stride = float(temporal_stride)
@@ -110,12 +113,12 @@ def grid_position_ids(
     flat_vis = vis.view(-1)
     buf = torch.zeros(4, N + 3, dtype=torch.int32, device=device)
     b_pos, _, _, b_off = buf.unbind(0)
+    b_off.narrow(0, 1, N).copy_(flat_vis)
     if valid is None:  # text advances the position by one
-        torch.logical_not(flat_vis, out=b_pos.narrow(0, 1, N))
+        torch.bitwise_xor(b_off.narrow(0, 1, N), 1, out=b_pos.narrow(0, 1, N))  # 1 - vision (0 or 1)
     else:
         torch.logical_xor(valid.view(-1), flat_vis, out=b_pos.narrow(0, 1, N))
-    b_off.narrow(0, 1, N).copy_(flat_vis)
-    cnt = b_off.narrow(0, 0, N + 2).cumsum(0)  # (N + 2,) vision tokens before each slot
+    cnt = b_off.narrow(0, 0, N + 2).cumsum(0, dtype=torch.int32)  # (N + 2,) vision tokens before each slot
     slots = torch.searchsorted(cnt, start)  # (R + 1,) slot 0, then the slot after each row's last token (N + 2: none)
     buf.scatter_add_(1, slots.expand(4, -1), change)
     acc = buf.cumsum_(1)  # (4, N + 3) in place: token p's values at column p, the end at column N
@@ -131,8 +134,7 @@ def grid_position_ids(
         found = torch.stack([
             lo, hi,  # token types in 0 .. 2
             g.amin(), torch.remainder(grid, div).amax(),  # merged grids >= 1, H and W divisible by m
-            cnt.select(0, N + 1) - start.select(0, R),  # vision tokens = sum of T (H / m) (W / m)
-            acc.as_strided((B,), (S,), 3 * (N + 3)).amax(),  # no block spans a row start: the offset there is 0
+            acc.as_strided((B + 1,), (S,), 3 * (N + 3)).sum(),  # offsets 0 at every row start and at the end
             run.sum() - R, (run * off).sum(),  # blocks = runs: R runs of one type, each at offset 0
         ])
         if not torch.equal(found.clamp(lower, upper), found):
