@@ -113,11 +113,11 @@ def grid_position_ids(
     flat_vis = vis.view(-1)
     buf = torch.zeros(4, N + 3, dtype=torch.int32, device=device)
     b_pos, _, _, b_off = buf.unbind(0)
-    b_off.narrow(0, 1, N).copy_(flat_vis)
     if valid is None:  # text advances the position by one
-        torch.bitwise_xor(b_off.narrow(0, 1, N), 1, out=b_pos.narrow(0, 1, N))  # 1 - vision (0 or 1)
+        torch.logical_not(flat_vis, out=b_pos.narrow(0, 1, N))
     else:
         torch.logical_xor(valid.view(-1), flat_vis, out=b_pos.narrow(0, 1, N))
+    b_off.narrow(0, 1, N).copy_(flat_vis)
     cnt = b_off.narrow(0, 0, N + 2).cumsum(0, dtype=torch.int32)  # (N + 2,) vision tokens before each slot
     slots = torch.searchsorted(cnt, start)  # (R + 1,) slot 0, then the slot after each row's last token (N + 2: none)
     buf.scatter_add_(1, slots.expand(4, -1), change)

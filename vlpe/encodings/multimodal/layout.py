@@ -136,10 +136,11 @@ _DIVISORS: dict[tuple, Tensor] = {}
 def merge_divisor(m: int, device: torch.device) -> Tensor:
     """``(3,)`` int64 ``[1, m, m]`` on ``device``: a grid row divided by it is the merged grid. Kept per
     ``(m, device)``, so no call copies it to the device again."""
-    key = (int(m), device.type, device.index)
-    if key not in _DIVISORS:
-        _DIVISORS[key] = torch.tensor([1, int(m), int(m)], dtype=torch.int64, device=device)
-    return _DIVISORS[key]
+    key = (m, device)  # (no attribute reads per call)
+    div = _DIVISORS.get(key)
+    if div is None:
+        div = _DIVISORS[key] = torch.tensor([1, int(m), int(m)], dtype=torch.int64, device=device)
+    return div
 
 
 def _as_grid(grid_thw, device: torch.device) -> Tensor:
