@@ -157,6 +157,24 @@ def test_automatic_choice_keeps_training_on_the_reference_path(monkeypatch):
     assert calls == [1]
 
 
+def test_an_encoding_may_lower_the_automatic_threshold(monkeypatch):
+    """``fast_min_tokens`` (data on the class) moves the automatic choice for that encoding only."""
+    calls = []
+    real = attention_fast._lattice_attention
+    monkeypatch.setattr(attention_fast, "_lattice_attention", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    for name, side, taken in (("fire", 14, 1), ("fire", 12, 0), ("alibi", 14, 0)):
+        enc = _build(name, {})
+        pos = vlpe.Positions.grid(side, side, prefix=1)
+        q, k, v = _qkv(pos, 12)
+        calls.clear()
+        with torch.no_grad():
+            out = vlpe.attend(q, k, v, enc=enc, ctx=enc.prepare(pos), layer=0)
+            ref = vlpe.attend(q, k, v, enc=enc, ctx=enc.prepare(pos), layer=0, fast=False)
+        assert len(calls) == taken, (name, side)
+        torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    assert type(_build("fire", {})).fast_min_tokens == 196 and type(_build("alibi", {})).fast_min_tokens is None
+
+
 def test_encoding_parameters_needing_grad_keep_the_reference_path(monkeypatch):
     enc = build("irpe", dim=96, num_heads=12, depth=3)  # learned tables that require grad
     pos = vlpe.Positions.grid(4, 4, prefix=1)

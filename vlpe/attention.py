@@ -7,8 +7,8 @@
 * ``flex``: FlexAttention with the encoding's ``score_mod`` / ``block_mask``. Compiled; on CPU torch
   has no FlexAttention backward, so training on CPU must use ``sdpa`` or ``eager``.
 
-Inference fast path of ``sdpa`` (``attend(..., fast=None)``: automatic from :data:`FAST_MIN_TOKENS` tokens on
-when no autograd graph is needed; ``fast=True`` forces it, ``fast=False`` keeps the reference path): one SDPA
+Inference fast path of ``sdpa`` (``attend(..., fast=None)``: automatic from :data:`FAST_MIN_TOKENS` tokens on,
+or the encoding's own ``fast_min_tokens``, when no autograd graph is needed; ``fast=True`` forces it, ``fast=False`` keeps the reference path): one SDPA
 call per head and query chunk, the chunk's bias at most :data:`FAST_BIAS_BYTES`, built just before the call
 reads it, while it is still in cache, and the keys and values of that head stay cached across its chunks.
 
@@ -188,7 +188,8 @@ def attend(
         why = fast_blocker(backend, has_values, attn_mask, is_causal, dropout_p, enc, (q, k, v))
         if fast and why:
             raise ValueError(f"attend(fast=True): the inference fast path does not apply: {why}")
-        if why is None and (fast or q.shape[-2] >= FAST_MIN_TOKENS):
+        least = FAST_MIN_TOKENS if enc is None or enc.fast_min_tokens is None else enc.fast_min_tokens
+        if why is None and (fast or q.shape[-2] >= least):
             out = _fast_attention(q, k, v, enc, ctx, step, layer, scale, pad)
             if out is not None:
                 return out

@@ -181,6 +181,9 @@ class Encoding(nn.Module):
     #: the attribute holding a learned absolute table ``(prefix + prod(grid), C)`` that a pretrained ViT's
     #: ``pos_embed`` may initialise (its constructor then takes ``prefix``); None: no such table
     absolute_table: ClassVar[str | None] = None
+    #: tokens from which ``attend(fast=None)`` takes the inference fast path for this encoding (None:
+    #: :data:`vlpe.attention.FAST_MIN_TOKENS`); lower for encodings whose reference bias is costly per pair
+    fast_min_tokens: ClassVar[int | None] = None
 
     def __init__(self, *, spec: EncodingSpec) -> None:
         super().__init__()
