@@ -95,30 +95,30 @@ def grid_position_ids(
     zero, this, prev, lower, upper = _consts(device)
     div = merge_divisor(m, device)
     g = torch.floor_divide(torch.cat([grid, div.view(1, 3)]), div)  # (R + 1, 3) merged, a virtual (1, 1, 1) row last
-    gT, gH, gW = g.unbind(1)
+    gH, gW = g.as_strided((R + 1,), (3,), 1), g.as_strided((R + 1,), (3,), 2)  # (views of the fresh g)
     n = g.prod(-1)  # (R + 1,) tokens per row
     if stride == 1:
         adv = g.amax(-1)  # max(T - 1, H - 1, W - 1) + 1
     else:
-        adv = torch.maximum(torch.maximum((gT - 1) * stride, gH - 1), gW - 1) + 1
+        adv = torch.maximum(torch.maximum((g.select(1, 0) - 1) * stride, gH - 1), gW - 1) + 1
     start = n.cumsum(0) - n  # (R + 1,) vision tokens before each row (start[R]: all of them)
     # buffer rows: 0 position, 1 W, 2 H, 3 offset; change[:, r] = entering row r: position +adv[r - 1], the
     # W and H of row r, offset -n[r - 1] (the vision tokens of row r - 1 are done)
     state = torch.stack([adv, gW, gH, n])  # (4, R + 1)
-    before = torch.cat([zero, state.narrow(1, 0, R)], dim=1)  # the previous row's (none for row 0)
+    before = torch.cat([zero, state.as_strided((4, R), (R + 1, 1))], dim=1)  # the previous row's (none for row 0)
     change = torch.addcmul(state * this, before, prev).to(torch.int32)
 
     flat = types.reshape(-1)
     vis = types.bool() if valid is None else types.bool() & valid  # (B, S) vision tokens
     flat_vis = vis.view(-1)
     buf = torch.zeros(4, N + 3, dtype=torch.int32, device=device)
-    b_pos, _, _, b_off = buf.unbind(0)
+    row = N + 3  # (views of the fresh buffers by as_strided: one call where unbind / narrow chains cost several)
     if valid is None:  # text advances the position by one
-        torch.logical_not(flat_vis, out=b_pos.narrow(0, 1, N))
+        torch.logical_not(flat_vis, out=buf.as_strided((N,), (1,), 1))
     else:
-        torch.logical_xor(valid.view(-1), flat_vis, out=b_pos.narrow(0, 1, N))
-    b_off.narrow(0, 1, N).copy_(flat_vis)
-    cnt = b_off.narrow(0, 0, N + 2).cumsum(0, dtype=torch.int32)  # (N + 2,) vision tokens before each slot
+        torch.logical_xor(valid.view(-1), flat_vis, out=buf.as_strided((N,), (1,), 1))
+    buf.as_strided((N,), (1,), 3 * row + 1).copy_(flat_vis)
+    cnt = buf.as_strided((N + 2,), (1,), 3 * row).cumsum(0, dtype=torch.int32)  # (N + 2,) vision tokens before slots
     slots = torch.searchsorted(cnt, start)  # (R + 1,) slot 0, then the slot after each row's last token (N + 2: none)
     buf.scatter_add_(1, slots.expand(4, -1), change)
     acc = buf.cumsum_(1)  # (4, N + 3) in place: token p's values at column p, the end at column N
@@ -127,42 +127,43 @@ def grid_position_ids(
         lo, hi = torch.aminmax(types)
         vt = flat if valid is None else flat * flat_vis
         starts = torch.empty(N, dtype=torch.bool, device=device)  # a run of one vision type starts here
-        torch.ne(vt.narrow(0, 1, N - 1), vt.narrow(0, 0, N - 1), out=starts.narrow(0, 1, N - 1))
+        torch.ne(vt.narrow(0, 1, N - 1), vt.narrow(0, 0, N - 1), out=starts.as_strided((N - 1,), (1,), 1))
         starts.as_strided((B,), (S,)).fill_(True)  # at every row start
         run = starts & flat_vis
-        off = b_off.narrow(0, 0, N)  # (acc's row 3)
+        off = acc.as_strided((N,), (1,), 3 * row)  # the offsets
         found = torch.stack([
             lo, hi,  # token types in 0 .. 2
             g.amin(), torch.remainder(grid, div).amax(),  # merged grids >= 1, H and W divisible by m
-            acc.as_strided((B + 1,), (S,), 3 * (N + 3)).sum(),  # offsets 0 at every row start and at the end
+            acc.as_strided((B + 1,), (S,), 3 * row).sum(),  # offsets 0 at every row start and at the end
             run.sum() - R, (run * off).sum(),  # blocks = runs: R runs of one type, each at offset 0
         ])
         if not torch.equal(found.clamp(lower, upper), found):
             return None  # the general path raises the ValueError of the first failing check
 
     accf = acc.float()
-    pos, W, H, off = accf.narrow(1, 0, N + 1).unbind(0)  # position + the sample start's, W, H, offset in the block
+    _, W, H, off = accf.unbind(0)  # (N + 3,) each: W, H, offset in the block (the last 3 columns unused)
     line = torch.div(off, W).floor_()  # the block's line: tau * H + i
     torch.addcmul(off, line, W, value=-1, out=off)  # j (over the offset)
     torch.div(line, H, out=W).floor_()  # tau (over W)
     torch.addcmul(line, W, H, value=-1, out=H)  # i (over H)
-    coords = accf.narrow(0, 1, 3).narrow(1, 0, N).view(3, B, S)  # (tau, i, j)
+    # (views by as_strided: one call where narrow / view chains cost several)
+    coords = accf.as_strided((3, B, S), (row, S, 1), row)  # (tau, i, j)
     if stride != 1:
         W.mul_(stride)
-    at_start = accf.as_strided((B + 1,), (S,))  # (B + 1,) position at every row start, and after the last token
-    running = pos.narrow(0, 0, N).view(B, S) - at_start.narrow(0, 0, B).view(B, 1)
+    running = accf.as_strided((B, S), (S, 1)) - accf.as_strided((B, 1), (S, 0))  # position - the row start's
     if spatial_reset:  # h, w local to the block; text carries the running position on every axis
         coords.select(0, 0).add_(running)
         torch.where(vis, coords.narrow(0, 1, 2), running, out=coords.narrow(0, 1, 2))
     else:
         coords.add_(running)
-    deltas = at_start.diff() - (S if valid is None else valid.sum(-1))  # (B,)
+    ends = accf.as_strided((B,), (S,), S) - accf.as_strided((B,), (S,))  # (B,) positions a row advances
+    deltas = ends.sub_(S if valid is None else valid.sum(-1))
     work = torch.float64 if (dtype is not None and dtype.is_floating_point) else torch.int64
     dtype = torch.int64 if dtype is None else dtype
     if work == torch.float64:
         ids = coords.to(work)
     else:  # float32 -> int32 (into the spent buffer) -> int64: cheaper than one float32 -> int64 pass
-        ints = acc.narrow(0, 1, 3).narrow(1, 0, N).view(3, B, S)
+        ints = acc.as_strided((3, B, S), (row, S, 1), row)
         ints.copy_(coords)
         ids = ints.to(torch.int64)
     if valid is not None:

@@ -149,7 +149,8 @@ def _as_grid(grid_thw, device: torch.device) -> Tensor:
     grid = torch.as_tensor(grid_thw, device=device)
     if grid.is_floating_point() or grid.is_complex() or grid.dtype == torch.bool:
         raise ValueError(f"grid_thw must hold integers (patches per axis), got dtype {grid.dtype}")
-    grid = grid.to(torch.int64)
+    if grid.dtype != torch.int64:
+        grid = grid.to(torch.int64)
     if grid.numel() == 0:
         return grid.reshape(0, 3)
     if grid.dim() != 2 or grid.shape[1] != 3:

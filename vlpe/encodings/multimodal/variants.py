@@ -302,9 +302,6 @@ def merge_grids(
         raise ValueError(f"mm_token_type_ids must have shape (B, S), got {tuple(types.shape)}")
     device = types.device
     m = int(spatial_merge_size)
-    flat = types.reshape(-1)
-    if attention_mask is not None:
-        flat = torch.where(torch.as_tensor(attention_mask, device=device).reshape(-1).bool(), flat, 0)
     given = [(kind, torch.as_tensor(g, device=device).to(torch.int64).reshape(-1, 3))
              for kind, g in ((1, image_grid_thw), (2, video_grid_thw)) if g is not None]  # two modalities
     given = [(kind, g) for kind, g in given if g.shape[0]]
@@ -314,6 +311,9 @@ def merge_grids(
         kind, g = given[0]
         return g, torch.full((g.shape[0],), kind, dtype=torch.int64, device=device)
     (_, images), (_, videos) = given  # images first, as Hugging Face lists them
+    flat = types.reshape(-1)
+    if attention_mask is not None:
+        flat = torch.where(torch.as_tensor(attention_mask, device=device).reshape(-1).bool(), flat, 0)
     Ri = images.shape[0]
     grids = torch.cat([images, videos])  # (R, 3)
     n = torch.floor_divide(grids, merge_divisor(m, device)).prod(-1)  # (R,) tokens per row: T (H / m) (W / m)
