@@ -152,7 +152,8 @@ def attend(
     ``ctx`` is ``enc.prepare(pos)``, built once per forward and shared by all layers. ``attn_mask`` is an
     extra additive (float) or keep (bool) mask broadcastable to (B, H, N, N). ``fast``: the inference fast
     path of the ``sdpa`` backend for bias and widening encodings (module docstring): None takes it from
-    :data:`FAST_MIN_TOKENS` tokens on when nothing needs gradients, True whenever it applies (a
+    :data:`FAST_MIN_TOKENS` tokens on (``enc.fast_min_tokens`` where the encoding declares it) when nothing
+    needs gradients, True whenever it applies (a
     ``ValueError`` says why it cannot: autograd, ``attn_mask``, ``is_causal``, dropout, another backend or a
     ``values`` term), False never.
     """
