@@ -232,7 +232,10 @@ def run_jobs(
     errors: list[str] = []
     t0 = time.perf_counter()
     with ThreadPoolExecutor(max_workers=jobs_at_once) as pool:
-        futures = {pool.submit(execute, j, fresh=fresh, threads=threads, status=status, reevaluate=reevaluate): j for j in jobs}
+        futures = {
+            pool.submit(execute, j, fresh=fresh, threads=threads, status=status, reevaluate=reevaluate): j
+            for j in jobs
+        }
         done = 0
         for f in futures:
             err = f.result()

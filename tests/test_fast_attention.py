@@ -172,7 +172,6 @@ def test_an_encoding_may_lower_the_automatic_threshold(monkeypatch):
             ref = vlpe.attend(q, k, v, enc=enc, ctx=enc.prepare(pos), layer=0, fast=False)
         assert len(calls) == taken, (name, side)
         torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
-    assert type(_build("fire", {})).fast_min_tokens == 196 and type(_build("alibi", {})).fast_min_tokens is None
 
 
 def test_encoding_parameters_needing_grad_keep_the_reference_path(monkeypatch):

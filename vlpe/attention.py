@@ -8,9 +8,10 @@
   has no FlexAttention backward, so training on CPU must use ``sdpa`` or ``eager``.
 
 Inference fast path of ``sdpa`` (``attend(..., fast=None)``: automatic from :data:`FAST_MIN_TOKENS` tokens on,
-or the encoding's own ``fast_min_tokens``, when no autograd graph is needed; ``fast=True`` forces it, ``fast=False`` keeps the reference path): one SDPA
-call per head and query chunk, the chunk's bias at most :data:`FAST_BIAS_BYTES`, built just before the call
-reads it, while it is still in cache, and the keys and values of that head stay cached across its chunks.
+or the encoding's own ``fast_min_tokens``, when no autograd graph is needed; ``fast=True`` forces it,
+``fast=False`` keeps the reference path): one SDPA call per head and query chunk, the chunk's bias at most
+:data:`FAST_BIAS_BYTES`, built just before the call reads it, while it is still in cache, and the keys and
+values of that head stay cached across its chunks.
 
 * on lattice positions (``Positions.lattice``; any 2D grid for iRPE, which reads only the grid) an
   encoding's :meth:`~vlpe.encodings.Encoding.lattice_bias` table gives every chunk's bias as one strided

@@ -6,8 +6,9 @@ temporal stride and ``B * S * stride < 2**23``, :func:`grid_position_ids` gets t
 ``cumsum`` locating each block's last token, one in-place ``cumsum`` of a small int32 buffer of per-block
 changes, and float32 divisions (exact below ``2**24``). Its checks (token types, grid rows, vision token
 count, blocks across row starts, blocks matching runs of tokens) fold into seven numbers read once; on any
-failure it returns None and the general path raises the same error. Equality with the general path is
-tested over every option in ``tests/test_mm_position_ids.py``.
+failure it returns None and the general path raises the same error. Equality with the general path, and
+declining exactly where it raises, are tested on random and corrupted batches in ``tests/test_mm_grid_ids.py``
+(and over every option in ``tests/test_mm_position_ids.py``).
 """
 
 from __future__ import annotations
@@ -95,7 +96,7 @@ def grid_position_ids(
     zero, this, prev, lower, upper = _consts(device)
     div = merge_divisor(m, device)
     g = torch.floor_divide(torch.cat([grid, div.view(1, 3)]), div)  # (R + 1, 3) merged, a virtual (1, 1, 1) row last
-    gH, gW = g.as_strided((R + 1,), (3,), 1), g.as_strided((R + 1,), (3,), 2)  # (views of the fresh g)
+    gH, gW = g.as_strided((R + 1,), (3,), 1), g.as_strided((R + 1,), (3,), 2)  # columns of the fresh g
     n = g.prod(-1)  # (R + 1,) tokens per row
     if stride == 1:
         adv = g.amax(-1)  # max(T - 1, H - 1, W - 1) + 1
@@ -112,7 +113,9 @@ def grid_position_ids(
     vis = types.bool() if valid is None else types.bool() & valid  # (B, S) vision tokens
     flat_vis = vis.view(-1)
     buf = torch.zeros(4, N + 3, dtype=torch.int32, device=device)
-    row = N + 3  # (views of the fresh buffers by as_strided: one call where unbind / narrow chains cost several)
+    # views of the fresh buffers (offset 0, contiguous) by as_strided: one call where unbind / narrow / view
+    # chains cost several
+    row = N + 3
     if valid is None:  # text advances the position by one
         torch.logical_not(flat_vis, out=buf.as_strided((N,), (1,), 1))
     else:
@@ -146,7 +149,6 @@ def grid_position_ids(
     torch.addcmul(off, line, W, value=-1, out=off)  # j (over the offset)
     torch.div(line, H, out=W).floor_()  # tau (over W)
     torch.addcmul(line, W, H, value=-1, out=H)  # i (over H)
-    # (views by as_strided: one call where narrow / view chains cost several)
     coords = accf.as_strided((3, B, S), (row, S, 1), row)  # (tau, i, j)
     if stride != 1:
         W.mul_(stride)
