@@ -17,7 +17,6 @@ folder, and the script is run on it end to end. What is checked:
 from __future__ import annotations
 
 import json
-import re
 from pathlib import Path
 
 import numpy as np
@@ -32,68 +31,16 @@ import long_video  # noqa: E402
 
 from data.vniah import PHOTO_NEEDLES, QUESTIONS  # noqa: E402
 
-SPECIAL = ["<|vision_start|>", "<|vision_end|>", "<|video_pad|>", "<|image_pad|>"]
 FRAME = 28  # one 2x2 merge of 14 px patches per frame
-PIXELS = dict(min_pixels=FRAME * FRAME, max_pixels=FRAME * FRAME)
-
-
-def _tokenizer():
-    """A word-level fast tokenizer over the task's words (the same pre-tokenizer splits the vocabulary)."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    text = " ".join([QUESTIONS["needle"], "Options: , . Answer: seconds < > red cat", *PHOTO_NEEDLES.values()])
-    words = ["<unk>", "<pad>", "<eos>"] + sorted(set(re.findall(r"\w+|[^\w\s]+", text)))
-    vocab = {w: i for i, w in enumerate(words + SPECIAL)}
-    tk = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-    tk.pre_tokenizer = pre_tokenizers.Whitespace()
-    tok = PreTrainedTokenizerFast(tokenizer_object=tk, unk_token="<unk>", pad_token="<pad>", eos_token="<eos>")
-    tok.add_special_tokens({"additional_special_tokens": SPECIAL})
-    return tok
 
 
 def save_tiny(family: str, folder: Path) -> Path:
-    """A random ``family`` model (hidden 64, 1 layer, vision depth 1) and its processor, saved to ``folder``."""
-    import transformers as tf
+    """A random ``family`` model (hidden 64, 1 layer, vision depth 1) and its processor (no chat template), saved
+    to ``folder`` (:func:`models.tiny_qwen_vl.save_tiny_qwen_vl`)."""
+    from models.tiny_qwen_vl import save_tiny_qwen_vl
 
-    tok = _tokenizer()
-    ids = {t: tok.convert_tokens_to_ids(t) for t in SPECIAL}
-    special = dict(image_token_id=ids["<|image_pad|>"], video_token_id=ids["<|video_pad|>"],
-                   vision_start_token_id=ids["<|vision_start|>"], vision_end_token_id=ids["<|vision_end|>"])  # fmt: skip
-    text = dict(hidden_size=64, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
-                num_key_value_heads=2, vocab_size=len(tok), eos_token_id=tok.eos_token_id,
-                pad_token_id=tok.pad_token_id, bos_token_id=None, initializer_range=0.2)  # fmt: skip
-    vision = dict(depth=1, patch_size=14, spatial_merge_size=2, temporal_patch_size=2)
-    rope = {"rope_type": "default", "mrope_section": [2, 3, 3], "rope_theta": 1e4}  # head_dim 16: 8 pairs
-    torch.manual_seed(0)
-    if family == "qwen2_vl":
-        cfg = tf.Qwen2VLConfig(text_config=dict(text, rope_parameters=rope),
-                               vision_config=dict(vision, embed_dim=16, hidden_size=64, num_heads=2), **special)
-        model = tf.Qwen2VLForConditionalGeneration(cfg)
-        procs = tf.Qwen2VLImageProcessor(**PIXELS), tf.Qwen2VLVideoProcessor(**PIXELS), tf.Qwen2VLProcessor
-    elif family == "qwen2_5_vl":
-        cfg = tf.Qwen2_5_VLConfig(
-            text_config=dict(text, rope_parameters=rope),
-            vision_config=dict(vision, hidden_size=16, intermediate_size=16, num_heads=2, out_hidden_size=64,
-                               window_size=28, fullatt_block_indexes=[0], tokens_per_second=2), **special)  # fmt: skip
-        model = tf.Qwen2_5_VLForConditionalGeneration(cfg)
-        procs = tf.Qwen2VLImageProcessor(**PIXELS), tf.Qwen2VLVideoProcessor(**PIXELS), tf.Qwen2_5_VLProcessor
-    else:
-        cfg = tf.Qwen3VLConfig(
-            text_config=dict(text, head_dim=16, rope_parameters={**rope, "mrope_section": [4, 2, 2],
-                                                                 "mrope_interleaved": True}),
-            vision_config=dict(vision, hidden_size=16, intermediate_size=16, num_heads=2, out_hidden_size=64,
-                               num_position_embeddings=16, deepstack_visual_indexes=[0], patch_size=14), **special,
-        )  # fmt: skip
-        model = tf.Qwen3VLForConditionalGeneration(cfg)
-        size = {"shortest_edge": FRAME * FRAME, "longest_edge": FRAME * FRAME}
-        procs = (tf.Qwen2VLImageProcessor(size=size, patch_size=14),
-                 tf.Qwen3VLVideoProcessor(size=size, patch_size=14), tf.Qwen3VLProcessor)  # fmt: skip
-    image, video, processor_cls = procs
-    processor = processor_cls(image_processor=image, tokenizer=tok, video_processor=video)
-    model.save_pretrained(folder)
-    processor.save_pretrained(folder)
-    return folder
+    texts = [QUESTIONS["needle"], "Options: , . Answer: seconds < > red cat", *PHOTO_NEEDLES.values()]
+    return save_tiny_qwen_vl(family, folder, texts=texts, frame=FRAME, chat_template=False)
 
 
 _FOLDERS: dict[str, Path] = {}

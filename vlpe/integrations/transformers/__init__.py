@@ -65,7 +65,7 @@ position 0, so each attends to itself alone. Flash attention reads the text row 
 
 
 from .attention import register_attention
-from .ids import pack_position_ids
+from .ids import pack_position_ids, prompt_position_ids
 from .patch import Patch, apply, patch_of, position_ids, remove
 from .rotary import MultimodalRotary, RotarySettings
 
@@ -78,5 +78,6 @@ __all__ = [
     "patch_of",
     "position_ids",
     "pack_position_ids",
+    "prompt_position_ids",
     "register_attention",
 ]

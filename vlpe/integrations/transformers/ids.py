@@ -9,7 +9,7 @@ from torch import Tensor
 
 from vlpe.encodings import multimodal as mm
 
-__all__ = ["pack_position_ids", "PositionIds"]
+__all__ = ["pack_position_ids", "prompt_position_ids", "PositionIds"]
 
 
 def pack_position_ids(
@@ -33,6 +33,48 @@ def pack_position_ids(
         if cu_seqlens is not None:  # packed samples never attend to each other (the layer masks)
             label = label * (mm.packed_samples(cu_seqlens, B, S, device=ids.device).index + 1)
     return _stack(text, ids, label)
+
+
+def prompt_position_ids(
+    variant: mm.Variant,
+    *,
+    family: str,
+    spatial_merge_size: int,
+    mm_token_type_ids: Tensor,
+    image_grid_thw: Tensor | None = None,
+    video_grid_thw: Tensor | None = None,
+    attention_mask: Tensor | None = None,
+    second_per_grid_ts: Tensor | None = None,
+    cu_seqlens=None,
+) -> tuple[Tensor, Tensor]:
+    """Packed ids ``(1 + rows, B, S)`` and ``rope_deltas`` of whole prompts of a ``family`` model (``qwen2_vl``,
+    ``qwen2_5_vl``, ``qwen3_vl``) under ``variant``, from the processor's tensors; needs no model, so a collator
+    (in DataLoader workers) computes exactly what the patched model would (:meth:`PositionIds.prompt_position_ids`).
+    With ``cu_seqlens`` (packed rows) every sample's own ids, a restarting text row, and ``rope_deltas (n, 1)``."""
+    types = mm_token_type_ids.long()
+    B, S = types.shape
+    if attention_mask is not None and (attention_mask.dim() != 2 or tuple(attention_mask.shape) != (B, S)):
+        raise ValueError(
+            f"attention_mask must be a 2D (batch, seq) padding mask matching mm_token_type_ids {(B, S)}, "
+            f"got {tuple(attention_mask.shape)}"
+        )
+    options: dict[str, Any] = {}
+    if video_grid_thw is not None and family == "qwen3_vl":
+        # Qwen3-VL emits every temporal patch as its own block after a timestamp: one T = 1 grid each
+        frames = video_grid_thw[:, 0]
+        video_grid_thw = video_grid_thw.repeat_interleave(frames, dim=0)
+        video_grid_thw[:, 0] = 1
+        if second_per_grid_ts is not None:
+            spg = torch.as_tensor(second_per_grid_ts)
+            second_per_grid_ts = spg.repeat_interleave(frames.to(spg.device))
+    v = variant
+    defaults = mm.DESIGNS[v.design].defaults
+    if (second_per_grid_ts is not None and "second_per_grid_ts" in defaults
+            and v.design_options.get("second_per_grid_ts") is None):
+        options["second_per_grid_ts"] = second_per_grid_ts
+    grid, _ = mm.merge_grids(types, image_grid_thw, video_grid_thw, attention_mask, spatial_merge_size)
+    ids, deltas = mm.position_ids(v, types, grid, attention_mask, spatial_merge_size, cu_seqlens=cu_seqlens, **options)
+    return pack_position_ids(ids, attention_mask, masked=v.masked, cu_seqlens=cu_seqlens), deltas
 
 
 def _stack(text: Tensor, ids: Tensor, label: Tensor | None) -> Tensor:
@@ -113,32 +155,11 @@ class PositionIds:
             if shape is None:
                 raise ValueError("text-only position ids need input_ids (or the batch shape)")
             mm_token_type_ids = torch.zeros(shape, dtype=torch.long, device=device)
-        types = mm_token_type_ids.long()
-        B, S = types.shape
-        if attention_mask is not None and (attention_mask.dim() != 2 or tuple(attention_mask.shape) != (B, S)):
-            raise ValueError(
-                f"attention_mask must be a 2D (batch, seq) padding mask matching mm_token_type_ids {(B, S)}, "
-                f"got {tuple(attention_mask.shape)}"
-            )
-        options: dict[str, Any] = {}
-        if video_grid_thw is not None and self.family == "qwen3_vl":
-            # Qwen3-VL emits every temporal patch as its own block after a timestamp: one T = 1 grid each
-            frames = video_grid_thw[:, 0]
-            video_grid_thw = video_grid_thw.repeat_interleave(frames, dim=0)
-            video_grid_thw[:, 0] = 1
-            if second_per_grid_ts is not None:
-                spg = torch.as_tensor(second_per_grid_ts)
-                second_per_grid_ts = spg.repeat_interleave(frames.to(spg.device))
-        v = self.variant
-        defaults = mm.DESIGNS[v.design].defaults
-        if (second_per_grid_ts is not None and "second_per_grid_ts" in defaults
-                and v.design_options.get("second_per_grid_ts") is None):
-            options["second_per_grid_ts"] = second_per_grid_ts
-        grid, _ = mm.merge_grids(types, image_grid_thw, video_grid_thw, attention_mask, self.spatial_merge_size)
-        ids, deltas = mm.position_ids(
-            v, types, grid, attention_mask, self.spatial_merge_size, cu_seqlens=cu_seqlens, **options
-        )
-        return pack_position_ids(ids, attention_mask, masked=self.masked, cu_seqlens=cu_seqlens), deltas
+        return prompt_position_ids(
+            self.variant, family=self.family, spatial_merge_size=self.spatial_merge_size,
+            mm_token_type_ids=mm_token_type_ids, image_grid_thw=image_grid_thw, video_grid_thw=video_grid_thw,
+            attention_mask=attention_mask, second_per_grid_ts=second_per_grid_ts, cu_seqlens=cu_seqlens,
+        )  # fmt: skip
 
     def compute_3d_position_ids(
         self,
