@@ -49,9 +49,31 @@ def whole(value, what: str) -> int:
     raise ValueError(f"{what} must be a whole number, got {value!r}")
 
 
+def _real(values, what: str) -> Tensor:
+    """``values`` as a tensor of real numbers; a dtype that holds no coordinate is a ``ValueError``.
+
+    Only the dtype is checked (free): bool masks and complex numbers are never coordinates (a cast would turn
+    ``True`` into 1 and drop imaginary parts silently), nor are strings; finite values are checked by
+    :meth:`Positions.validate` (a host read).
+    """
+    if not isinstance(values, Tensor):
+        try:
+            values = torch.as_tensor(values)
+        except (TypeError, ValueError, RuntimeError) as e:
+            raise ValueError(
+                f"Positions expects {what} as numbers (a tensor or nested lists of numbers), got a "
+                f"{type(values).__name__} that is not numeric ({e})"
+            ) from None
+    if values.dtype == torch.bool or values.is_complex():
+        raise ValueError(
+            f"Positions expects {what} as real numbers (float or integer), got dtype {values.dtype}; "
+            f"a padding mask goes to valid=, not into the coordinates"
+        )
+    return values
+
+
 def _as_coords(coords: Tensor) -> Tensor:
-    if not isinstance(coords, Tensor):
-        coords = torch.as_tensor(coords)
+    coords = _real(coords, "coordinates")
     if coords.dim() == 2:
         coords = coords.unsqueeze(0)
     if coords.dim() != 3:
@@ -173,26 +195,41 @@ class Positions:
         prefix: int = 0,
         timestamps: Tensor | None = None,
         device: torch.device | str | None = None,
+        validate: bool = True,
     ) -> "Positions":
-        """A ``t x h x w`` tubelet grid; ``timestamps`` (t,) or (B, t) replace the integer time axis."""
+        """A ``t x h x w`` tubelet grid; ``timestamps`` (t,) or (B, t) replace the integer time axis.
+
+        ``validate`` (with ``timestamps``): NaN or infinite timestamps raise ``ValueError`` (:meth:`validate`,
+        one host read); ``False`` skips the read, for callers that checked them already
+        (:class:`vlpe.tokenizers.VideoTokenizer` folds them into its one check of the video).
+        """
         pos = cls.grid_nd((t, h, w), prefix=prefix, axes=("t", "h", "w"), device=device)
         if timestamps is None:
             return pos
-        ts = torch.as_tensor(timestamps, device=pos.coords.device).float()
+        ts = _real(timestamps, "timestamps (one time per tubelet)").to(device=pos.coords.device).float()
         if ts.dim() == 1:
             ts = ts.unsqueeze(0)
         if ts.shape[-1] != t:
             raise ValueError(f"timestamps must have {t} entries per sample (one per tubelet), got {tuple(ts.shape)}")
         coords = pos.coords.expand(ts.shape[0], -1, -1).clone()  # (B, N, 3)
         coords[:, prefix:, 0] = ts.repeat_interleave(h * w, dim=-1)
-        return cls(coords, prefix=prefix, grid=(t, h, w), axes=("t", "h", "w"))
+        pos = cls(coords, prefix=prefix, grid=(t, h, w), axes=("t", "h", "w"))
+        return pos.validate() if validate else pos
 
     @classmethod
-    def points(cls, xyz: Tensor, *, prefix: int = 0, valid: Tensor | None = None) -> "Positions":
-        """Continuous point coordinates ``(B, N, 3)`` (or any A); prefix rows must already be included."""
+    def points(
+        cls, xyz: Tensor, *, prefix: int = 0, valid: Tensor | None = None, validate: bool = True
+    ) -> "Positions":
+        """Continuous point coordinates ``(B, N, 3)`` (or any A); prefix rows must already be included.
+
+        ``validate``: NaN or infinite coordinates raise ``ValueError`` (:meth:`validate`, one host read; padding
+        points too: give them any finite value and ``valid=False``); ``False`` skips the read, for callers that
+        checked the points already (:class:`vlpe.tokenizers.PointTokenizer` does, in its one check per call).
+        """
         xyz = _as_coords(xyz)
         axes = ("x", "y", "z")[: xyz.shape[-1]] if xyz.shape[-1] <= 3 else None
-        return cls(xyz, prefix=prefix, valid=valid, axes=axes)
+        pos = cls(xyz, prefix=prefix, valid=valid, axes=axes)
+        return pos.validate() if validate else pos
 
     # ----------------------------------------------------------------- views
     @property

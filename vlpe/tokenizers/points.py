@@ -217,7 +217,7 @@ class PointTokenizer(nn.Module):
         if valid is not None:
             count = valid.sum(1, keepdim=True)  # (B, 1)
             group_valid = torch.arange(self.num_groups, device=xyz.device) < count  # (B, G)
-        pos = Positions.points(centres.detach(), valid=group_valid)
+        pos = Positions.points(centres.detach(), valid=group_valid, validate=False)  # _check_values did it
         return self.prefix(tokens, pos)
 
     @staticmethod

@@ -34,8 +34,8 @@ class VideoTokenizer(nn.Module):
     Sizes follow ``fit`` along every axis (see :class:`ImageTokenizer`): an input smaller than one
     tubelet raises; ``'crop'`` drops trailing frames / bottom-right pixels; ``'pad'`` repeats the last
     frame (and its timestamp) up to a whole tubelet, as Qwen-VL processors do, and zero-pads space.
-    NaN or infinite pixels raise ``ValueError`` naming the sample (one device-to-host read per call;
-    ``check_finite=False`` skips it).
+    NaN or infinite pixels or timestamps raise ``ValueError`` naming the sample (one device-to-host read per
+    call for both; ``check_finite=False`` skips it, and then NaN timestamps reach the positions unchecked).
     """
 
     def __init__(
@@ -101,8 +101,9 @@ class VideoTokenizer(nn.Module):
                 f"(the layout is (B, C, T, H, W))"
             )
         t, h, w = self.grid_size(T, H, W)
+        times = None if timestamps is None else self._tubelet_times(timestamps, B, T, t)
         if self.check_finite:
-            check_finite_samples([video], type(self).__name__, "video")
+            self._check_values(video, timestamps)
         tt, (ph, pw) = self.tubelet_size, self.patch_size
         x = video
         if T > t * tt:  # crop trailing frames
@@ -114,13 +115,39 @@ class VideoTokenizer(nn.Module):
         elif (H, W) != (h * ph, w * pw):
             x = F.pad(x, (0, w * pw - W, 0, h * ph - H))
         tokens = self.proj(x).flatten(2).transpose(1, 2)  # (B, t * h * w, dim)
-        times = None if timestamps is None else self._tubelet_times(timestamps, B, T, t)
-        pos = Positions.video(t, h, w, timestamps=times, device=video.device)
+        pos = Positions.video(t, h, w, timestamps=times, device=video.device, validate=False)  # checked above
         return self.prefix(tokens, pos)
+
+    def _check_values(self, video: Tensor, timestamps: Tensor | None) -> None:
+        """``ValueError`` naming the first sample with a NaN/inf pixel or timestamp: one device-to-host read for
+        both (the timestamps' check rides on the video's, as :func:`check_finite_samples` does for pixels)."""
+        if timestamps is None:
+            check_finite_samples([video], type(self).__name__, "video")
+            return
+        ts = torch.as_tensor(timestamps, device=video.device)
+        ts = ts.unsqueeze(0) if ts.dim() == 1 else ts  # (B | 1, T), shape checked by _tubelet_times
+        bad = torch.stack([
+            ~torch.isfinite(video).flatten(1).all(1),  # (B,)
+            (~torch.isfinite(ts).all(1)).expand(video.shape[0]),  # (B,)
+        ])  # (2, B)
+        if not bool(bad.any()):
+            return
+        bad_video, bad_time = bad.cpu().tolist()
+        if any(bad_video):
+            check_finite_samples([video], type(self).__name__, "video")
+        raise ValueError(
+            f"{type(self).__name__}: timestamps of sample {bad_time.index(True)} hold NaN or infinite values; every "
+            f"frame needs a finite time in seconds (or build with check_finite=False)"
+        )
 
     def _tubelet_times(self, timestamps: Tensor, B: int, T: int, t: int) -> Tensor:
         """Per-frame ``timestamps`` (B | 1, T) in seconds -> per-tubelet time coordinates (B | 1, t)."""
         ts = torch.as_tensor(timestamps)
+        if ts.dtype == torch.bool or ts.is_complex():
+            raise ValueError(
+                f"{type(self).__name__}: timestamps must be real numbers (one time in seconds per frame), got "
+                f"dtype {ts.dtype}"
+            )
         if not ts.is_floating_point():
             ts = ts.float()
         if ts.dim() == 1:

@@ -103,6 +103,8 @@ def _per_axis(value: Any, num_axes: int, names: Sequence[str], key: str, who: st
 def _number(v: Any, key: str, who: str, *, positive: bool = True) -> float:
     if isinstance(v, Tensor):
         raise ValueError(f"{who}: scaling {key} must be a Python number (not a tensor), got {v!r}")
+    if isinstance(v, bool):  # float(True) is 1.0: a flag where a number belongs is a mistake, never a factor
+        raise ValueError(f"{who}: scaling {key} must be a number such as 2.0, got the boolean {v!r}")
     try:
         x = float(v)
     except (TypeError, ValueError):

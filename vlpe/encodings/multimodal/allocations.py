@@ -16,7 +16,8 @@ name                   map (defaults for K = 64)
 ``interleaved``        axis ``a > 0`` takes ``k = a (mod A)`` for ``k < A * section[a]``, axis 0 the rest;
                        MRoPE-I / Qwen3-VL [24, 20, 20]: t h w t h w ... t t t t; VRoPE [16]*4: ``k mod 4``
 ``multi_head``         ``section`` counts KV heads per axis (MHRoPE [2, 3, 3] of 8); a head uses all pairs of
-                       its axis, heads beyond the section sum carry no position
+                       its axis, heads beyond the section sum carry no position; the default section needs
+                       at least 4 KV heads (below that time would get none: an error)
 ``low_freq_temporal``  VideoRoPE LTA [16, 24, 24]: pairs below ``K - section[0]`` alternate h (even k) / w
                        (odd k), the lowest-frequency ``section[0]`` pairs read t
 ``hybrid``             HoPE HFA: as ``low_freq_temporal`` with the temporal band carrying no position
@@ -34,6 +35,8 @@ from torch import Tensor
 __all__ = ["ALLOCATIONS", "allocation_map", "default_section", "frequency_matrix", "axes_of"]
 
 ALLOCATIONS = ("none", "chunked", "interleaved", "multi_head", "low_freq_temporal", "hybrid")
+#: the fewest KV heads the ``multi_head`` default section serves (it gives time ``num_kv_heads // 4`` of them)
+MIN_MULTI_HEAD_KV = 4
 
 
 def _check_name(allocation: str) -> None:
@@ -60,6 +63,13 @@ def default_section(
     if allocation == "multi_head":
         if num_kv_heads is None:
             raise ValueError("the multi_head allocation needs num_kv_heads (the number of key/value heads)")
+        if isinstance(num_kv_heads, bool) or int(num_kv_heads) != num_kv_heads or num_kv_heads < MIN_MULTI_HEAD_KV:
+            raise ValueError(
+                f"the multi_head allocation's default section gives time num_kv_heads // 4 KV heads, so it needs "
+                f"num_kv_heads >= {MIN_MULTI_HEAD_KV} (with fewer, time would get no head); got num_kv_heads="
+                f"{num_kv_heads!r}: use a model with at least {MIN_MULTI_HEAD_KV} KV heads or pass section=[t, h, w] "
+                f"(KV heads per axis, e.g. [1, 1, 1] of 3)"
+            )
         t = num_kv_heads // 4
         w = (num_kv_heads - t) // 2
         return (t, num_kv_heads - t - w, w)  # [2, 3, 3] of 8 KV heads

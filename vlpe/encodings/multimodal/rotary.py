@@ -144,6 +144,7 @@ def rotary(
     scaling: Mapping[str, Any] | None = None,
     layer: int | None = None,
     dtype: torch.dtype = torch.float32,
+    validate: bool = True,
 ) -> tuple[Tensor, Tensor]:
     """``(cos, sin)`` tables in the Hugging Face 5.x convention (half layout, ``cat(angles, angles)``).
 
@@ -169,9 +170,19 @@ def rotary(
             factor multiplies cos and sin. PyPE takes one factor for all layers.
         layer: PyPE only: the decoder layer whose table to return.
         dtype: dtype of the returned tables.
+        validate: floating ``position_ids`` (fractional designs) must be finite: a NaN id would turn every
+            attention row that reads it NaN. One host read of one boolean for float ids (integer ids cannot hold
+            NaN: no read); False makes the call free of host syncs, as :func:`position_ids`'s ``validate``.
     """
     v = get_variant(variant, allocation=allocation)
     ids = torch.as_tensor(position_ids)
+    if ids.dtype == torch.bool or ids.is_complex():
+        raise ValueError(f"position_ids must be integer or real-valued, got dtype {ids.dtype}")
+    if validate and ids.is_floating_point() and not bool(torch.isfinite(ids).all()):
+        raise ValueError(
+            f"rotary({v.label!r}): position_ids hold NaN or infinite values; every id must be finite (padding "
+            f"slots take pad_position, as position_ids() gives them)"
+        )
     if ids.dim() == 2:
         ids = ids.unsqueeze(0)
     if ids.dim() != 3:
