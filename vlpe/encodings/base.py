@@ -145,6 +145,22 @@ class Context:
         return f"Context({self.pos!r}, tables={sorted(self.tables)})"
 
 
+def _spec_hint(cls: type, args: tuple, kwargs: dict) -> str:
+    """The error for an encoding class called without ``spec=EncodingSpec(...)``: what it got and how to build it."""
+    if args:
+        got = f"{len(args)} positional argument(s)"
+    elif "spec" not in kwargs:
+        got = f"keyword(s) {sorted(kwargs)} without spec="
+    else:
+        got = f"spec={kwargs['spec']!r} (a {type(kwargs['spec']).__name__}, not an EncodingSpec)"
+    name = cls.__name__
+    return (
+        f"{name} is built from spec=EncodingSpec(dim=..., num_heads=..., ...) plus its own keyword options, got {got}; "
+        f"build it with vlpe.encodings.construct({name}, dim=64, num_heads=4, **options) (any Encoding class, "
+        f"checked like build) or vlpe.encodings.build(name, dim=64, num_heads=4, **options) for a registered name"
+    )
+
+
 class Encoding(nn.Module):
     """Base class: identity hooks, option validation and the per-forward :class:`Context`.
 
@@ -185,10 +201,20 @@ class Encoding(nn.Module):
     #: :data:`vlpe.attention.FAST_MIN_TOKENS`); lower for encodings whose reference bias is costly per pair
     fast_min_tokens: ClassVar[int | None] = None
 
+    def __new__(cls, *args: Any, **kwargs: Any) -> "Encoding":
+        # checked before any subclass __init__ reads spec.dim, so ``IRPE(dim=64, ...)`` and ``IRPE(spec={...})``
+        # get this message instead of Python's unexpected-keyword or an AttributeError of a dict; no arguments
+        # at all is the copy / pickle protocol (``copyreg.__newobj__``), left to __init__
+        if args or kwargs:
+            spec = kwargs.get("spec")
+            if args or not isinstance(spec, EncodingSpec):
+                raise TypeError(_spec_hint(cls, args, kwargs))
+        return super().__new__(cls)
+
     def __init__(self, *, spec: EncodingSpec) -> None:
         super().__init__()
         if not isinstance(spec, EncodingSpec):
-            raise TypeError(f"{type(self).__name__} takes spec=EncodingSpec(...); build it with vlpe.encodings.build")
+            raise TypeError(_spec_hint(type(self), (), {"spec": spec}))
         if spec.num_axes is None:
             spec = spec.with_axes(self.axes_for(spec))
         dim, num_heads, depth, num_axes = spec.dim, spec.num_heads, spec.depth, spec.num_axes
