@@ -48,8 +48,12 @@ class DINOv3RoPE(RotaryEncoding):
 
     Extents: from ``pos.grid`` when the positions are a grid (Python ints). For positions without a grid
     (crops, point sets) each sample's extent is measured on device from its non-prefix, non-padding coordinates,
-    ``n_a = max_a - min_a + 1`` patches, and the coordinates are taken from their minimum
-    (``u_a = 2 (p_a - min_a + 0.5) / n_a - 1``), which equals the grid case for a grid starting at 0. Prefix tokens
+    ``n_a = max_a - min_a + 1`` patches. Either way the coordinates are taken from their minimum
+    (``u_a = 2 (p_a - min_a + 0.5) / n_a - 1``, on device): the reference builds ``u`` from the index of a patch
+    in its feature map (timm's ``_build_grid(grid_type="centered")`` at its default ``grid_offset=0``), so the
+    tokens of an ``h x w`` grid fill [-1, 1] wherever their coordinates start, and the same coordinates give the
+    same rotation with or without the grid metadata (``Positions.grid(h, w).shifted(d)`` and
+    ``Positions(those coords)``; a lattice from :meth:`Positions.grid_nd` starts at 0 and skips the min). Prefix tokens
     (CLS, registers) are not rotated, as in DINOv3. Because ``u_i - u_j = 2 (p_i - p_j) / n``, patch-patch logits
     depend only on offsets at a fixed extent (``relative``), but a sub-grid of a larger grid is rescaled
     (no ``extrapolation``): every resolution is interpolated into [-1, 1].
@@ -144,6 +148,8 @@ class DINOv3RoPE(RotaryEncoding):
                 n = list(pos.grid)  # Python ints: no device read
                 if self.normalize_coords != "separate":
                     n = [max(n) if self.normalize_coords == "max" else min(n)] * A
+                if not pos.lattice:  # a grid moved (shifted) or given new coordinates: taken from its minimum
+                    c = c - patch_bounds(pos, c)[0]  # (B, N, A), on device; a lattice starts at 0 already
                 u = torch.stack([2.0 * (c[..., a] + 0.5) / n[a] - 1.0 for a in range(A)], dim=-1)  # (B, N, A)
             else:
                 lo, n = self._measured_extent(pos, c)  # (B', 1, A) each
