@@ -1,6 +1,9 @@
 """Every claim of every registered encoding, checked by the property kit (vlpe.testing).
 
-A new encoding is covered the moment it is registered: the parameters come from the registry.
+A new encoding is covered the moment it is registered: the parameters come from the registry. ``check`` runs
+every claim but ``zero_init`` twice, on the encoding as built and on a copy with randomised parameters
+(``vlpe.testing.randomize_parameters``), so zero-initialised tables cannot make a claim hold vacuously
+(tests/test_reliability_library.py plants a wrong claim to show the second run catches it).
 """
 
 import pytest

@@ -1,6 +1,7 @@
 """Property kit: behavioural checks any encoding can be run through, a user's own included.
 
-Each encoding declares the properties it claims (``Encoding.claims``); :func:`check` runs one claim,
+Each encoding declares the properties it claims (``Encoding.claims``); :func:`check` runs one claim (on the
+encoding as built and, every claim but ``zero_init``, again with randomised parameters),
 :func:`property_report` runs all of them plus the error-behaviour checks every encoding must pass (and
 :func:`check_scaling` for every encoding that takes training-free RoPE scaling). The
 test suite runs every claim of every registered encoding, so a new encoding is tested the moment it is
@@ -29,6 +30,7 @@ from .positions import Positions
 
 __all__ = [
     "CHECKS",
+    "AS_BUILT",
     "example",
     "examples",
     "PropertyFailure",
@@ -359,20 +361,44 @@ CHECKS: dict[str, Callable[[Encoding], None]] = {
 }
 
 
-def check(enc: Encoding, claim: str) -> None:
-    """Run the check for ``claim`` on ``enc`` (eval mode); raises :class:`PropertyFailure` if it fails."""
+#: claims about the encoding as built, checked on its own parameters only (randomising them is the point's opposite)
+AS_BUILT = frozenset({"zero_init"})
+
+
+def _has_parameters(enc: Encoding) -> bool:
+    return any(p.is_floating_point() for p in enc.parameters())
+
+
+def check(enc: Encoding, claim: str, *, randomized: bool = True) -> None:
+    """Run the check for ``claim`` on ``enc`` (eval mode); raises :class:`PropertyFailure` if it fails.
+
+    With ``randomized`` (default) every claim except those in :data:`AS_BUILT` (``zero_init``) is checked a second
+    time on a copy of ``enc`` whose floating parameters are drawn by :func:`randomize_parameters` (seed 0): a
+    freshly built encoding's learned tables are often zero, and a claim checked only there proves nothing about
+    what those tables do once trained. ``enc`` itself is left as it was.
+    """
     if claim not in CHECKS:
         raise ValueError(f"unknown property {claim!r}; properties are {sorted(CHECKS)}")
     was_training = enc.training
     enc.eval()
     try:
         CHECKS[claim](enc)
+        if randomized and claim not in AS_BUILT and _has_parameters(enc):
+            trained = randomize_parameters(copy.deepcopy(enc), seed=0)
+            try:
+                CHECKS[claim](trained)
+            except PropertyFailure as e:
+                raise PropertyFailure(
+                    f"{e} (with randomized parameters, vlpe.testing.randomize_parameters(enc, seed=0): the claim "
+                    f"holds for the built parameters only)"
+                ) from None
     finally:
         enc.train(was_training)
 
 
 def property_report(enc: Encoding, *, all_properties: bool = False) -> dict[str, str]:
-    """``{property: 'ok' | 'FAIL: ...' | 'holds (unclaimed)' | 'no'}`` for the claims (or every property)."""
+    """``{property: 'ok' | 'FAIL: ...' | 'holds (unclaimed)' | 'no'}`` for the claims (or every property), each
+    checked by :func:`check` (as built and with randomised parameters)."""
     report: dict[str, str] = {}
     for claim in sorted(CHECKS):
         claimed = claim in enc.claims
