@@ -27,14 +27,21 @@ def _env() -> dict[str, str]:
     return {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME", "PYTHONSTARTUP")}
 
 
-@pytest.mark.slow
-def test_wheel_holds_the_library_only(tmp_path):
-    src = tmp_path / "src"
+@pytest.fixture(scope="module")
+def wheel(tmp_path_factory) -> Path:
+    """The wheel ``pip wheel .`` builds from a copy of the checkout (once per module)."""
+    tmp = tmp_path_factory.mktemp("wheel")
+    src = tmp / "src"
     shutil.copytree(ROOT, src, ignore=SKIP, symlinks=True)
     r = subprocess.run([sys.executable, "-m", "pip", "wheel", ".", "--no-deps", "--no-build-isolation", "-q",
-                        "-w", str(tmp_path / "dist")], cwd=src, capture_output=True, text=True, timeout=600)  # fmt: skip
+                        "-w", str(tmp / "dist")], cwd=src, capture_output=True, text=True, timeout=600)  # fmt: skip
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
-    (wheel,) = (tmp_path / "dist").glob("vlpe-*.whl")
+    (built,) = (tmp / "dist").glob("vlpe-*.whl")
+    return built
+
+
+@pytest.mark.slow
+def test_wheel_holds_the_library_only(wheel):
     names = zipfile.ZipFile(wheel).namelist()
     top = {n.split("/")[0] for n in names}
     assert top == {"vlpe", f"{wheel.name.split('-')[0]}-{wheel.name.split('-')[1]}.dist-info"}, sorted(top)
@@ -54,6 +61,40 @@ def _venv_like_setup(tmp_path: Path) -> tuple[Path, list[str]]:
     deps = [d for d in deps if Path(d).is_dir()]
     (Path(purelib) / "zz-deps.pth").write_text("".join(f"{d}\n" for d in deps))
     return py, deps
+
+
+@pytest.mark.slow
+def test_every_module_of_the_wheel_imports_without_the_checkout(wheel, tmp_path):
+    """The wheel installed into a fresh venv (its dependencies visible, the checkout not): every module under
+    ``vlpe`` imports, from the installed copy, and ``models`` (the harness) is not importable there."""
+    py, _ = _venv_like_setup(tmp_path)
+    purelib = subprocess.run([str(py), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                             capture_output=True, text=True, check=True, env=_env()).stdout.strip()  # fmt: skip
+    zipfile.ZipFile(wheel).extractall(purelib)  # a pure-Python wheel installs by unpacking into site-packages
+    work = tmp_path / "elsewhere"
+    work.mkdir()
+    script = (
+        "import importlib, importlib.util, pkgutil, vlpe\n"
+        "assert importlib.util.find_spec('models') is None, 'the harness is importable: not a wheel-only env'\n"
+        "names = [m.name for m in pkgutil.walk_packages(vlpe.__path__, 'vlpe.')]\n"
+        "failed = []\n"
+        "for name in names:\n"
+        "    try:\n"
+        "        importlib.import_module(name)\n"
+        "    except Exception as e:\n"
+        "        failed.append(f'{name}: {type(e).__name__}: {e}')\n"
+        "print(vlpe.__file__)\nprint(len(names))\nprint('\\n'.join(failed))\n"
+    )
+    r = subprocess.run([str(py), "-c", script], cwd=work, env=_env(), capture_output=True, text=True, timeout=900)
+    assert r.returncode == 0, r.stdout + r.stderr[-3000:]
+    lib, count, *failed = r.stdout.splitlines()
+    assert Path(lib).is_relative_to(purelib), lib  # the installed copy, not the checkout
+    assert int(count) > 40
+    assert not [f for f in failed if f], "modules of the wheel that do not import without the checkout:\n" + "\n".join(failed)
+    # what needs the harness says so, naming the checkout
+    r = subprocess.run([str(py), "-c", "import vlpe.integrations.open_clip as vo; vo.config_for('vlpe-ViT-Pico-4-28', 'rope')"],
+                       cwd=work, env=_env(), capture_output=True, text=True, timeout=900)  # fmt: skip
+    assert r.returncode != 0 and "ImportError" in r.stderr and "checkout" in r.stderr, r.stderr[-2000:]
 
 
 @pytest.mark.slow

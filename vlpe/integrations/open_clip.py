@@ -16,7 +16,9 @@ linear projection to the joint embedding. The text tower is open_clip's ``TextTr
 Towers (:data:`TOWERS`): ``vlpe-ViT-S-16`` (ViT-S/16 at 224 px with open_clip's ViT-S-16 text tower) and
 ``vlpe-ViT-Pico-4-28`` (a 3-block, 96-wide ViT at 28 px with a 2-layer text tower: CPU-sized, what
 ``eval/zero_shot.py`` trains). :func:`register` adds a config of your own (any encoding, incl. one you
-registered in vlpe). Checked in ``tests/test_integration_open_clip.py`` against open_clip's factory,
+registered in vlpe). The towers come from the harness (``models/vit.py``): installed from the wheel alone the
+module imports and :func:`register` works, the built-in configs are absent and :func:`config_for` raises an
+``ImportError`` naming the checkout. Checked in ``tests/test_integration_open_clip.py`` against open_clip's factory,
 tokenizer and loss classes.
 """
 
@@ -43,9 +45,28 @@ _CONFIG_DIR = tempfile.TemporaryDirectory(prefix="vlpe-open-clip-")  # open_clip
 _REGISTERED: list[str] = []
 
 
+def _harness_vit():
+    """``models.vit``, the harness module that defines the ``vlpe_vit_*`` timm towers, or an ``ImportError``
+    saying where it lives: it ships with the checkout, not the wheel (``pip install .`` holds ``vlpe`` only)."""
+    try:
+        import models.vit as vit
+    except ModuleNotFoundError as e:
+        if e.name not in ("models", "models.vit"):
+            raise
+        raise ImportError(
+            "vlpe.integrations.open_clip: the vlpe-ViT towers are the timm architectures of the harness module "
+            "models/vit.py, which the vlpe checkout holds and the wheel does not; run from a checkout set up with "
+            "`make setup` (it puts the checkout on the path), or register(name, config) a config whose "
+            "vision_cfg.timm_model_name is a timm architecture you have"
+        ) from None
+    return vit
+
+
 def config_for(tower: str, encoding: str) -> dict[str, Any]:
-    """The open_clip model config of ``tower`` (:data:`TOWERS`) with ``encoding`` in its vision tower."""
-    from models.vit import fits, register_timm, timm_name
+    """The open_clip model config of ``tower`` (:data:`TOWERS`) with ``encoding`` in its vision tower (needs the
+    harness' ``models.vit``: an ``ImportError`` saying so without the checkout)."""
+    vit = _harness_vit()
+    fits, register_timm, timm_name = vit.fits, vit.register_timm, vit.timm_name
 
     if tower not in TOWERS:
         raise ValueError(f"unknown tower {tower!r}; towers: {', '.join(TOWERS)}")
@@ -91,9 +112,15 @@ def names(encoding: str | None = None) -> list[str]:
 
 
 def _register_builtins() -> None:
+    """The ``vlpe-<tower>-<encoding>`` configs, when the harness' towers are importable (a checkout); without it
+    (the wheel alone) none, and :func:`config_for` says why."""
     import open_clip
-    from models.vit import fits, grid_encodings
 
+    try:
+        vit = _harness_vit()
+    except ImportError:
+        return
+    fits, grid_encodings = vit.fits, vit.grid_encodings
     for tower, (preset, *_) in TOWERS.items():
         for encoding in grid_encodings():
             if not fits(preset, encoding):  # e.g. LookHere's direction presets on fewer than 12 heads
