@@ -10,7 +10,9 @@ the model card names the encoding, the training data and the measured results::
     model = ViT.from_pretrained("vit-fmnist")       # a local folder: no network access
 
 Checked in ``tests/test_hub.py`` against the mixin's own files (``config.json`` as it writes it, the weights
-as ``safetensors`` reads them): a round trip gives bitwise-equal outputs, with the network switched off.
+as ``safetensors`` reads them): a round trip gives bitwise-equal outputs, with the network switched off; a
+tampered folder (``config.json`` not JSON, not a mapping or of another model; a damaged safetensors header) is a
+clear error naming the file (``tests/test_reliability_library.py``).
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from huggingface_hub.repocard_data import EvalResult
 __all__ = ["HubMixin"]
 
 WEIGHTS = "model.safetensors"
+CONFIG = "config.json"
 
 
 class HubMixin(
@@ -138,6 +141,43 @@ class HubMixin(
 
     # ------------------------------------------------------------------ load
     @classmethod
+    def from_pretrained(cls, pretrained_model_name_or_path: str | Path, **kwargs: Any):
+        """The mixin's ``from_pretrained``, with a local folder's ``config.json`` checked first (:meth:`check_config`):
+        a file that is not a JSON mapping, or holds another model's arguments, is a ``ValueError`` naming it."""
+        folder = Path(pretrained_model_name_or_path)
+        if folder.is_dir() and (folder / CONFIG).is_file():
+            cls.check_config(folder / CONFIG)
+        return super().from_pretrained(pretrained_model_name_or_path, **kwargs)
+
+    @classmethod
+    def check_config(cls, path: str | Path) -> dict[str, Any]:
+        """The mapping in ``path`` (a ``config.json``), or ``ValueError``: it must be JSON, a mapping, and name only
+        constructor arguments of ``cls`` (the mixin would drop other keys silently and build a default model: a
+        config of another model family, e.g. a PointTransformer's given to ViT, must not load)."""
+        import json
+
+        path = Path(path)
+        try:
+            config = json.loads(path.read_text(encoding="utf-8"))
+        except (UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise ValueError(
+                f"{path} is not valid JSON ({e}); it must be the config.json save_pretrained wrote: save the model again"
+            ) from None
+        if not isinstance(config, dict):
+            raise ValueError(
+                f"{path} must hold a JSON object of {cls.__name__}'s constructor arguments, got a {type(config).__name__}"
+            )
+        params = getattr(cls, "_hub_mixin_init_parameters", {})
+        takes_any = any(p.kind is p.VAR_KEYWORD for p in params.values())
+        unknown = sorted(set(config) - set(params))
+        if params and not takes_any and unknown:
+            raise ValueError(
+                f"{path} is not a {cls.__name__} config: {unknown} are not arguments of {cls.__name__} (it takes "
+                f"{sorted(n for n in params if n != 'self')}); load the folder with the class that saved it"
+            )
+        return config
+
+    @classmethod
     def _from_pretrained(
         cls,
         *,
@@ -172,5 +212,13 @@ class HubMixin(
                 local_files_only=local_files_only,
             )
         model = cls(**model_kwargs)
-        safetensors.torch.load_model(model, str(weights), strict=strict, device=map_location)
+        try:
+            safetensors.torch.load_model(model, str(weights), strict=strict, device=map_location)
+        except (safetensors.SafetensorError, OSError) as e:  # a damaged header or a truncated file
+            raise ValueError(
+                f"{weights} is not a readable safetensors file ({e}): it is damaged or not the {WEIGHTS} that "
+                f"save_pretrained wrote; save the model again"
+            ) from None
+        except RuntimeError as e:  # names or shapes that do not fit (a header edited, or config overrides)
+            raise RuntimeError(f"{weights} does not fit the {cls.__name__} its config describes: {e}") from None
         return model.eval()
