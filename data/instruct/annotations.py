@@ -92,7 +92,8 @@ def read_annotations(path: str | os.PathLike) -> list[dict]:
     return samples
 
 
-def validate_samples(samples: Sequence[Any], *, source: str = "annotations", lines: Sequence[int] | None = None) -> None:
+def validate_samples(samples: Sequence[Any], *, source: str = "annotations",
+                     lines: Sequence[int] | None = None) -> None:  # fmt: skip
     """Validate every sample (see :func:`validate_sample`); ``lines`` (JSONL) adds each sample's line number."""
     if isinstance(samples, (str, bytes, dict)) or not isinstance(samples, Sequence):
         raise AnnotationError(f"{source}: expected a list of sample dicts, got {_type_name(samples)}")

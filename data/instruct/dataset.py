@@ -113,14 +113,17 @@ class InstructDataset(Dataset):
                 raise AnnotationError("annotations: the list of samples is empty")
         self.processor, self.family = processor, family
         self.tokenizer = processor.tokenizer
-        self.fps, self.max_frames, self.max_length, self.max_skipped = float(fps), int(max_frames), max_length, max_skipped
+        self.fps, self.max_frames = float(fps), int(max_frames)
+        self.max_length, self.max_skipped = max_length, max_skipped
         self.tokens = {"image": processor.image_token, "video": processor.video_token}
         for i, sample in enumerate(self.samples):  # the processor's media tokens in text would count as media
             for j, turn in enumerate(sample["conversations"]):
                 hit = [t for t in self.tokens.values() if t in turn["value"]]
                 if hit:
-                    raise AnnotationError(f"{self.source}: sample {i}: conversations[{j}].value holds the processor's "
-                                          f"media token {hit[0]}; write <video> / <image> placeholders instead")  # fmt: skip
+                    raise AnnotationError(
+                        f"{self.source}: sample {i}: conversations[{j}].value holds the processor's media token "
+                        f"{hit[0]}; write <video> / <image> placeholders instead"
+                    )
         self.dropped: dict[int, int] = {}
         self.skipped: dict[str, str] = {}
 

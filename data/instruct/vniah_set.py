@@ -39,14 +39,15 @@ def make_vniah_instruct(
     fps: float = 2.0,
     seed: int = 0,
     image_every: int = 8,
-    haystack: str = "real",
+    haystack: str = "procedural",
 ) -> dict:
     """Write the set (see the module docstring) under ``folder``; returns ``{"train": path, "val": path,
     "media_root": path, "answers": [the 8 classes], "question": text}`` (paths as strings).
 
     ``train`` / ``val``: sample counts; ``frames``, ``frame_size`` (even; square frames), ``fps``: the videos;
-    ``image_every``: one image sample per this many samples (0: videos only); ``haystack``: ``"real"`` (the
-    shipped real clips) or ``"procedural"`` (see :class:`data.vniah.VNIAH`).
+    ``image_every``: one image sample per this many samples (0: videos only); ``haystack``: ``"procedural"``
+    (moving sprites; fast) or ``"real"`` (the shipped real clips; decoding them adds a few seconds), see
+    :class:`data.vniah.VNIAH`.
     """
     from PIL import Image
 
