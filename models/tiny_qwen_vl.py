@@ -7,7 +7,8 @@ loader of a real folder reads it unchanged (``AutoProcessor`` / ``AutoModelForIm
 ``local_files_only``). The tokenizer is a word-level fast tokenizer (``tokenizers``) over the words of the given
 texts plus the Qwen special tokens; the chat template renders messages as Qwen2-VL's does (``<|im_start|>role``
 ... ``<|im_end|>``, a default system turn, ``<|vision_start|><|video_pad|><|vision_end|>`` for a video item).
-The decoder is 1 layer of width 64 (4 heads of 16, 2 KV heads), the vision tower 1 block, 14 px patches merged 2x2.
+The decoder is 1 layer of width 128 (8 heads of 16, 4 KV heads: grouped-query attention, and enough KV heads for
+MHRoPE's three axes), the vision tower 1 block, 14 px patches merged 2x2.
 
     from models.tiny_qwen_vl import save_tiny_qwen_vl
     save_tiny_qwen_vl("qwen2_vl", "tiny-qwen2-vl", texts=["What item is shown in red?", "cat", "moon"])
@@ -83,21 +84,21 @@ def save_tiny_qwen_vl(family: str, folder: str | Path, *, texts: Iterable[str] =
     ids = {t: tok.convert_tokens_to_ids(t) for t in SPECIAL_TOKENS}
     special = dict(image_token_id=ids["<|image_pad|>"], video_token_id=ids["<|video_pad|>"],
                    vision_start_token_id=ids["<|vision_start|>"], vision_end_token_id=ids["<|vision_end|>"])  # fmt: skip
-    text = dict(hidden_size=64, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
-                num_key_value_heads=2, vocab_size=len(tok), eos_token_id=tok.eos_token_id,
+    text = dict(hidden_size=128, intermediate_size=128, num_hidden_layers=1, num_attention_heads=8,
+                num_key_value_heads=4, vocab_size=len(tok), eos_token_id=tok.eos_token_id,
                 pad_token_id=tok.pad_token_id, bos_token_id=None, initializer_range=initializer_range)  # fmt: skip
     vision = dict(depth=1, patch_size=14, spatial_merge_size=2, temporal_patch_size=2)
     rope = {"rope_type": "default", "mrope_section": [2, 3, 3], "rope_theta": 1e4}  # head_dim 16: 8 pairs
     torch.manual_seed(seed)
     if family == "qwen2_vl":
         cfg = tf.Qwen2VLConfig(text_config=dict(text, rope_parameters=rope),
-                               vision_config=dict(vision, embed_dim=16, hidden_size=64, num_heads=2), **special)
+                               vision_config=dict(vision, embed_dim=16, hidden_size=128, num_heads=2), **special)
         model = tf.Qwen2VLForConditionalGeneration(cfg)
         procs = tf.Qwen2VLImageProcessor(**pixels), tf.Qwen2VLVideoProcessor(**pixels), tf.Qwen2VLProcessor
     elif family == "qwen2_5_vl":
         cfg = tf.Qwen2_5_VLConfig(
             text_config=dict(text, rope_parameters=rope),
-            vision_config=dict(vision, hidden_size=16, intermediate_size=16, num_heads=2, out_hidden_size=64,
+            vision_config=dict(vision, hidden_size=16, intermediate_size=16, num_heads=2, out_hidden_size=128,
                                window_size=28, fullatt_block_indexes=[0], tokens_per_second=2), **special)  # fmt: skip
         model = tf.Qwen2_5_VLForConditionalGeneration(cfg)
         procs = tf.Qwen2VLImageProcessor(**pixels), tf.Qwen2VLVideoProcessor(**pixels), tf.Qwen2_5_VLProcessor
@@ -105,7 +106,7 @@ def save_tiny_qwen_vl(family: str, folder: str | Path, *, texts: Iterable[str] =
         cfg = tf.Qwen3VLConfig(
             text_config=dict(text, head_dim=16, rope_parameters={**rope, "mrope_section": [4, 2, 2],
                                                                  "mrope_interleaved": True}),
-            vision_config=dict(vision, hidden_size=16, intermediate_size=16, num_heads=2, out_hidden_size=64,
+            vision_config=dict(vision, hidden_size=16, intermediate_size=16, num_heads=2, out_hidden_size=128,
                                num_position_embeddings=16, deepstack_visual_indexes=[0], patch_size=14), **special,
         )  # fmt: skip
         model = tf.Qwen3VLForConditionalGeneration(cfg)

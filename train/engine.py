@@ -144,11 +144,14 @@ def fit(
     validate: Callable[[nn.Module, torch.device], dict] | None,
     run_config: dict,
     tokens_per_sample: Callable[[dict], int] | None = None,
+    export: Callable[[object, Path], object] | None = None,
 ) -> FitResult:
     """Train ``model`` (whose ``forward(batch) -> {"loss": ...}``) as configured; returns the final step.
 
     ``validate(module, device)`` returns a metrics dict (already reduced across ranks); it runs every
-    ``val_every`` steps and at the end. Metrics go to ``<out_dir>/metrics.jsonl`` (rank 0).
+    ``val_every`` steps and at the end. Metrics go to ``<out_dir>/metrics.jsonl`` (rank 0). ``export(engine,
+    out_dir)`` replaces the safetensors export at the end (e.g. a Hugging Face folder). A batch that is a dict with
+    ``num_skipped`` (samples its collator left out) adds to the ``skipped`` count every train record carries.
     """
     import deepspeed
     import yaml
@@ -220,9 +223,12 @@ def fit(
             engine.monitor.write_events(monitor_events(record))
 
     step = start
+    skipped = 0  # samples the collator left out (dropped or unreadable), this rank, since the start of this process
     window_loss, window_n, window_tokens, t0 = 0.0, 0, 0, time.perf_counter()
     engine.train()
     for micro, batch in enumerate(loader):
+        if isinstance(batch, dict) and "num_skipped" in batch:
+            skipped += int(batch["num_skipped"])
         batch = move_to(batch, device)
         out = engine(batch)
         loss = out["loss"]
@@ -244,6 +250,8 @@ def fit(
             if window_tokens:
                 rec["tokens_per_s"] = window_tokens * world / dt
             rec["samples_per_s"] = window_n * train.micro_batch * world / dt
+            if skipped:
+                rec["skipped"] = skipped
             log(rec)
             window_loss, window_n, window_tokens, t0 = 0.0, 0, 0, time.perf_counter()
         if validate is not None and (step % train.val_every == 0 or step == train.steps):
@@ -258,18 +266,21 @@ def fit(
             save_checkpoint(engine, ckpt_dir, step, rank, keep=train.keep_checkpoints, signature=signature)
     if bar is not None:
         bar.close()
-    export_weights(
-        engine.module, out_dir / "model.safetensors", zero_stage=train.zero_stage,
-        metadata={METADATA_KEY: json.dumps(signature, sort_keys=True)},
-    )  # fmt: skip
+    if export is not None:
+        where = export(engine, out_dir)
+    else:
+        where = out_dir / "model.safetensors"
+        export_weights(
+            engine.module, where, zero_stage=train.zero_stage,
+            metadata={METADATA_KEY: json.dumps(signature, sort_keys=True)},
+        )  # fmt: skip
     dist.barrier()
     tb = getattr(engine.monitor, "tb_monitor", None)
     if tb is not None and tb.summary_writer is not None:
         tb.summary_writer.close()
     if rank == 0:
         final = ckpt_dir / tag_for(step)
-        print(f"[train] weights: {(out_dir / 'model.safetensors').resolve()} (final checkpoint: {final.resolve()})",
-              flush=True)  # fmt: skip
+        print(f"[train] weights: {Path(where).resolve()} (final checkpoint: {final.resolve()})", flush=True)
     result.step = step
     return result
 

@@ -1,7 +1,18 @@
-"""Train the small VLM (:mod:`models.vlm`) with any multimodal RoPE variant on a short-video needle task.
+"""Train a VLM with any multimodal RoPE variant: the small VLM (:mod:`models.vlm`) on a short-video needle task, or
+(``model.hf_model`` set) a pretrained Hugging Face Qwen2-VL / Qwen2.5-VL / Qwen3-VL folder on LLaVA-format
+instruction data (:mod:`train.finetune`).
 
     deepspeed --num_gpus 8 train/vlm.py --config configs/full/mrope_i.yaml
     python train/vlm.py --config configs/mrope_i.yaml train.steps=50 model.variant=videorope
+    deepspeed --num_gpus 8 train/vlm.py --config configs/hf/qwen2_vl.yaml model.hf_model=DIR model.variant=mrope_i \
+        data.annotations=train.json data.media_root=DIR
+
+Fine-tuning keys (``model.hf_model`` set): ``model.scaling`` (a vlpe scaling dict for the rotary tables),
+``model.attn_implementation`` (``flash_attention_2`` on GPU), ``model.lora.*``; ``data.annotations`` /
+``data.val_annotations`` / ``data.media_root`` / ``data.fps`` / ``data.max_frames`` / ``data.min_pixels`` /
+``data.max_pixels`` / ``data.max_length`` / ``data.packing`` / ``data.max_skipped``; ``train.freeze`` /
+``train.gradient_checkpointing``. The small VLM's keys (``model.preset``, ``model.hidden_size``, ``data.task``,
+``data.frames`` ...) do not apply to a checkpoint folder and are refused there, and the other way round.
 
 The task is V-NIAH on small frames (:mod:`data.vniah`): a haystack of ``data.frames`` frames, one needle frame
 (a Fashion-MNIST item drawn in red) at a uniformly drawn place, the question "What item is shown in red?" and a
@@ -53,7 +64,30 @@ class ModelSection:
     patch_size: int = 4
     temporal_patch_size: int = 2
     merge_size: int = 2
-    attn_implementation: Literal["sdpa", "eager"] = "sdpa"
+    attn_implementation: Literal["sdpa", "eager", "flash_attention_2"] = "sdpa"
+    # fine-tuning a Hugging Face checkpoint folder (train/finetune.py)
+    hf_model: str | None = None  # a Qwen2-VL / Qwen2.5-VL / Qwen3-VL folder, read offline
+    scaling: dict | None = None  # a vlpe scaling dict for the rotary tables, e.g. {type: yarn, factor: {t: 4}}
+    lora: "LoraSection" = field(default_factory=lambda: LoraSection())
+
+
+@dataclass(kw_only=True)
+class LoraSection:
+    """LoRA adapters (peft) on the decoder's linear layers; merged into the weights on export."""
+
+    enabled: bool = False
+    r: int = 16
+    alpha: int = 32
+    dropout: float = 0.05
+    target_modules: list[str] = field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"])
+
+
+@dataclass(kw_only=True)
+class VLMTrainSection(TrainSection):
+    """The ``train:`` section plus what fine-tuning a checkpoint folder adds."""
+
+    gradient_checkpointing: bool = False
+    freeze: list[str] = field(default_factory=list)  # any of vision, merger, llm
 
 
 @dataclass(kw_only=True)
@@ -71,14 +105,81 @@ class DataSection:
     train_samples: int = 20000
     val_samples: int = 256
     seed: int = 0
+    # fine-tuning a checkpoint folder: LLaVA / ShareGPT annotations (data/instruct)
+    annotations: str | None = None  # a JSON list or JSONL file
+    val_annotations: str | None = None  # held-out samples, validated every train.val_every steps
+    media_root: str | None = None  # media paths are relative to it (default: the annotations' folder)
+    max_frames: int = 32  # frames of a video, sampled at data.fps
+    min_pixels: int | None = None  # the processor's pixel budget per image / frame (None: the processor's)
+    max_pixels: int | None = None
+    max_length: int | None = None  # longer samples are dropped and counted; a packed row's budget
+    packing: bool = False  # pack samples into rows (cu_seqlens)
+    max_skipped: int = 100  # unreadable media files tolerated (skipped and counted)
 
 
 @dataclass(kw_only=True)
 class VLMConfig:
     model: ModelSection = field(default_factory=ModelSection)
     data: DataSection = field(default_factory=DataSection)
-    train: TrainSection = field(default_factory=TrainSection)
+    train: VLMTrainSection = field(default_factory=VLMTrainSection)
     deepspeed: dict = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        check_mode(self)
+
+
+# keys that belong to one of the two kinds of run only
+_TINY_ONLY = {
+    "model": ("preset", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "intermediate_size",
+              "initializer_range", "vision_dim", "vision_depth", "vision_heads", "vision_encoding",
+              "vision_encoding_options", "vision_attention", "patch_size", "temporal_patch_size", "merge_size",
+              "rope_theta"),
+    "data": ("task", "frames", "train_lengths", "frame_size", "haystack", "needles", "needle_size", "needle_span",
+             "delta", "train_samples", "val_samples"),
+}  # fmt: skip
+_HF_ONLY = {
+    "model": ("scaling", "lora"),
+    "data": ("annotations", "val_annotations", "media_root", "max_frames", "min_pixels", "max_pixels", "max_length",
+             "packing", "max_skipped"),
+    "train": ("gradient_checkpointing", "freeze"),
+}  # fmt: skip
+
+
+def check_mode(cfg: "VLMConfig") -> None:
+    """``ConfigError`` for a key set away from its default that the run's kind does not read: the small VLM's
+    sizes with ``model.hf_model`` (the checkpoint defines the model), fine-tuning keys without it."""
+    hf = cfg.model.hf_model is not None
+    wrong = _TINY_ONLY if hf else _HF_ONLY
+    for section, keys in wrong.items():
+        obj = getattr(cfg, section)
+        default = type(obj)()
+        for key in keys:
+            if getattr(obj, key) != getattr(default, key):
+                if hf:
+                    raise ConfigError(
+                        f"{section}.{key} applies to the small VLM; with model.hf_model the checkpoint folder defines "
+                        f"the model and data.annotations the data: remove it (a config of configs/hf/ sets none of them)"
+                    )
+                raise ConfigError(
+                    f"{section}.{key} applies to fine-tuning a checkpoint folder: set model.hf_model=DIR (see "
+                    "configs/hf/), or remove it"
+                )
+    if cfg.model.attn_implementation == "flash_attention_2" and not hf:
+        raise ConfigError("model.attn_implementation=flash_attention_2 applies to model.hf_model; the small VLM "
+                          "runs sdpa or eager")  # fmt: skip
+    if hf:
+        parts = ("vision", "merger", "llm")
+        bad = [p for p in cfg.train.freeze if p not in parts]
+        if bad:
+            raise ConfigError(f"train.freeze: unknown part(s) {bad}; choose any of {list(parts)}")
+        if cfg.data.max_frames < 1:
+            raise ConfigError(f"data.max_frames must be >= 1, got {cfg.data.max_frames}")
+        if cfg.data.max_length is not None and cfg.data.max_length < 2:
+            raise ConfigError(f"data.max_length must be >= 2 tokens or null, got {cfg.data.max_length}")
+        if cfg.data.max_skipped < 0:
+            raise ConfigError(f"data.max_skipped must be >= 0, got {cfg.data.max_skipped}")
+        if cfg.data.fps <= 0:
+            raise ConfigError(f"data.fps must be > 0, got {cfg.data.fps}")
 
 
 def build_tokenizer(data: DataSection):
@@ -173,6 +274,10 @@ def evaluate_answers(module, batches, device: torch.device) -> dict[str, float]:
 def main(argv=None) -> None:
     cfg, raw = parse(VLMConfig, argv, description=__doc__)
     seed_everything(cfg.train.seed)  # reproducible model initialisation
+    if cfg.model.hf_model is not None:
+        from train.finetune import main as finetune
+
+        return finetune(cfg, raw)
     tokenizer = build_tokenizer(cfg.data)
     model = build_model(cfg, tokenizer)
     train_set, val_set = build_datasets(cfg)

@@ -1,0 +1,229 @@
+"""Fine-tuning a Hugging Face Qwen-VL folder (``train/finetune.py``, ``data/hf_batch.py``), in process.
+
+Tiny random Qwen2-VL / Qwen2.5-VL / Qwen3-VL folders with a real processor and chat template
+(:mod:`models.tiny_qwen_vl`) and a small LLaVA-format set of real mp4 files and PNG images
+(:func:`data.instruct.make_vniah_instruct`). What is checked, against references that do not use the code under test:
+- the training loss of a batch, padded or packed, equals transformers' own loss of the padded batch
+  (``model(..., labels=)``, the model computing its own position ids); the teacher-forced exact match of a batch
+  equals a per-sample loop over the samples run alone;
+- the collator's position ids equal the patched model's own (``get_rope_index``) on the same padded batch;
+- every batch, whatever its modalities, runs the vision tower exactly twice (the filler), and the filler changes
+  neither loss nor exact match; a micro-batch whose samples were all skipped trains on nothing (loss 0);
+- ``train.freeze`` stops exactly the named parts; the config refuses keys of the other kind of run;
+- the resume record changes with the annotation file and the checkpoint folder.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from data.hf_batch import IGNORE_INDEX, MODEL_KEYS, InstructCollator  # noqa: E402
+from train.config import ConfigError, load_config  # noqa: E402
+
+FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")
+
+
+@pytest.fixture(scope="module")
+def vniah_set(tmp_path_factory):
+    from data.instruct import make_vniah_instruct
+
+    return make_vniah_instruct(tmp_path_factory.mktemp("set"), train=10, val=4, frames=4, frame_size=56,
+                               image_every=3)  # fmt: skip
+
+
+_FOLDERS: dict = {}
+
+
+def tiny(family, tmp_path_factory):
+    from data.vniah import PHOTO_NEEDLES, QUESTIONS
+    from models.tiny_qwen_vl import save_tiny_qwen_vl
+
+    if family not in _FOLDERS:
+        folder = tmp_path_factory.mktemp(family) / f"tiny-{family}"
+        _FOLDERS[family] = save_tiny_qwen_vl(family, folder, texts=[QUESTIONS["needle"], *PHOTO_NEEDLES.values()],
+                                             frame=28, max_frame=56)  # fmt: skip
+    return _FOLDERS[family]
+
+
+def loaded(family, tmp_path_factory, variant="videorope"):
+    from transformers import AutoModelForImageTextToText, AutoProcessor
+
+    from vlpe.integrations import transformers as vlpe_hf
+
+    folder = tiny(family, tmp_path_factory)
+    processor = AutoProcessor.from_pretrained(folder, local_files_only=True)
+    model = AutoModelForImageTextToText.from_pretrained(folder, local_files_only=True, dtype=torch.float32).eval()
+    vlpe_hf.apply(model, variant)
+    return model, processor
+
+
+def items_of(vniah_set, processor, family, n=6):
+    from data.instruct import InstructDataset
+
+    ds = InstructDataset(annotations=vniah_set["train"], media_root=vniah_set["media_root"], processor=processor,
+                         family=family, fps=2.0, max_frames=8)  # fmt: skip
+    out = [ds[i] for i in range(n)]
+    assert all(it is not None for it in out)
+    return out
+
+
+def collator(model, processor, **kw):
+    from train.finetune import filler_item
+    from vlpe.integrations import transformers as vlpe_hf
+
+    patch = vlpe_hf.patch_of(model)
+    kw.setdefault("filler", filler_item(processor, patch.family))
+    return InstructCollator(variant=patch.variant, family=patch.family, spatial_merge_size=patch.spatial_merge_size,
+                            pad_token_id=processor.tokenizer.pad_token_id, **kw)  # fmt: skip
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_loss_padded_packed_and_transformers_agree(family, vniah_set, tmp_path_factory):
+    from train.finetune import CausalLM
+
+    model, processor = loaded(family, tmp_path_factory)
+    items = items_of(vniah_set, processor, family)
+    assert any("image_grid_thw" in it for it in items) and any("video_grid_thw" in it for it in items)
+    lm = CausalLM(model=model)
+    with torch.no_grad():
+        padded = collator(model, processor)(items)
+        packed = collator(model, processor, packing=True)(items)
+        a, b = lm(padded), lm(packed)
+        inputs = {k: padded[k] for k in MODEL_KEYS if k in padded and k != "position_ids"}
+        reference = model(**inputs, labels=padded["labels"]).loss  # transformers' loss, the model's own ids
+    assert packed["input_ids"].shape[0] == 1 and "attention_mask" not in packed
+    torch.testing.assert_close(a["loss"], reference, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(b["loss"], reference, rtol=1e-5, atol=1e-5)
+    # exact match: a loop over the samples, each run alone through the model
+    correct = 0
+    with torch.no_grad():
+        for it in items:
+            one = collator(model, processor, filler=None)([it])
+            logits = model(**{k: one[k] for k in MODEL_KEYS if k in one and k != "position_ids"}).logits[0]
+            target = one["labels"][0, 1:]
+            where = target != IGNORE_INDEX
+            correct += int(bool((logits[:-1].argmax(-1)[where] == target[where]).all()))
+    assert int(a["scored"]) == int(b["scored"]) == len(items)
+    assert int(a["correct"]) == int(b["correct"]) == correct
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_collator_ids_are_the_patched_models_own(family, vniah_set, tmp_path_factory):
+    model, processor = loaded(family, tmp_path_factory, variant="mrope_i")
+    batch = collator(model, processor, filler=None)(items_of(vniah_set, processor, family, n=4))
+    base = model.model
+    kwargs = {k: batch[k] for k in ("image_grid_thw", "video_grid_thw", "second_per_grid_ts") if k in batch}
+    ids, deltas = base.get_rope_index(batch["input_ids"], mm_token_type_ids=batch["mm_token_type_ids"],
+                                      attention_mask=batch["attention_mask"], **kwargs)  # fmt: skip
+    torch.testing.assert_close(batch["position_ids"][1:], ids.to(batch["position_ids"].dtype), rtol=0, atol=0)
+    torch.testing.assert_close(batch["rope_deltas"], deltas, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("family", ["qwen2_vl", "qwen3_vl"])
+def test_every_batch_runs_the_vision_tower_twice_and_the_filler_changes_nothing(family, vniah_set, tmp_path_factory):
+    from train.finetune import CausalLM
+
+    model, processor = loaded(family, tmp_path_factory)
+    items = items_of(vniah_set, processor, family)
+    images = [it for it in items if "image_grid_thw" in it]
+    videos = [it for it in items if "video_grid_thw" in it]
+    calls = []
+    handle = model.model.visual.register_forward_hook(lambda *a: calls.append(1))
+    lm = CausalLM(model=model)
+    try:
+        for mixed, subset in ((False, images[:1]), (False, videos[:2]), (True, images[:1] + videos[:1]), (False, [])):
+            for packing in (False, True):
+                calls.clear()
+                batch = collator(model, processor, packing=packing)([*subset, None])
+                with torch.no_grad():
+                    out = lm(batch)
+                assert len(calls) == 2, (len(subset), packing)
+                assert batch["num_samples"] == len(subset) and batch["num_skipped"] == 1
+                if not subset:  # nothing left to train on: loss 0, nothing scored
+                    assert float(out["loss"]) == 0.0 and int(out["scored"]) == 0
+                elif mixed:  # both modalities: no filler is added
+                    with torch.no_grad():
+                        plain = lm(collator(model, processor, packing=packing, filler=None)(subset))
+                    torch.testing.assert_close(out["loss"], plain["loss"], rtol=1e-6, atol=1e-6)
+                    assert int(out["correct"]) == int(plain["correct"])
+    finally:
+        handle.remove()
+
+
+def test_collator_errors(vniah_set, tmp_path_factory):
+    model, processor = loaded("qwen2_vl", tmp_path_factory)
+    with pytest.raises(ValueError, match="every sample of this micro-batch was dropped"):
+        collator(model, processor, filler=None)([None, None])
+    it = items_of(vniah_set, processor, "qwen2_vl", n=1)[0]
+    with pytest.raises(ValueError, match="does not fit a packed row"):
+        collator(model, processor, packing=True, max_length=4)([it])
+    with pytest.raises(ValueError, match="filler"):
+        collator(model, processor, filler={"labels": torch.zeros(3, dtype=torch.long)})
+
+
+def test_freeze_stops_exactly_the_named_parts(tmp_path_factory):
+    from train.finetune import freeze
+
+    for parts in (["vision"], ["merger"], ["llm"], ["vision", "merger"]):
+        model, _ = loaded("qwen3_vl", tmp_path_factory)
+        freeze(model, parts)
+        for name, p in model.named_parameters():
+            in_visual = ".visual." in f".{name}"
+            merger = in_visual and any(m in name for m in ("visual.merger.", "visual.deepstack_merger_list."))
+            part = "merger" if merger else "vision" if in_visual else "llm"
+            assert p.requires_grad == (part not in parts), (parts, name)
+    with pytest.raises(ConfigError, match="unknown part"):
+        freeze(model, ["brain"])
+
+
+def test_config_refuses_keys_of_the_other_kind_of_run(tmp_path):
+    from train.vlm import VLMConfig
+
+    ok = load_config(VLMConfig, "configs/hf/qwen2_vl.yaml", [f"model.hf_model={tmp_path}", "data.annotations=a.json"])
+    assert ok.train.zero_stage == 3 and ok.train.freeze == ["vision"] and ok.model.variant == "mrope"
+    for overrides, match in [
+        ([f"model.hf_model={tmp_path}", "model.hidden_size=32"], "applies to the small VLM"),
+        ([f"model.hf_model={tmp_path}", "data.frames=4"], "applies to the small VLM"),
+        ([f"model.hf_model={tmp_path}", "train.freeze=[eyes]"], "unknown part"),
+        ([f"model.hf_model={tmp_path}", "data.max_frames=0"], "max_frames"),
+    ]:
+        with pytest.raises(ConfigError, match=match):
+            load_config(VLMConfig, "configs/hf/qwen2_vl.yaml", overrides)
+    for overrides in (["data.packing=true"], ["train.freeze=[vision]"], ["model.lora.enabled=true"]):
+        with pytest.raises(ConfigError, match="applies to fine-tuning a checkpoint folder"):
+            load_config(VLMConfig, "configs/mrope.yaml", overrides)
+    with pytest.raises(ConfigError, match="applies to fine-tuning"):  # the hf config without its folder
+        load_config(VLMConfig, "configs/hf/qwen2_vl.yaml", [])
+
+
+def test_the_resume_record_follows_the_folder_and_the_data(vniah_set, tmp_path_factory, tmp_path):
+    import shutil
+
+    from train.finetune import source_record
+    from train.vlm import VLMConfig
+
+    folder = tiny("qwen2_vl", tmp_path_factory)
+    copy = shutil.copytree(folder, tmp_path / "copy")
+    data = tmp_path / "train.json"
+    data.write_text(open(vniah_set["train"]).read())
+
+    def record(f):
+        return source_record(load_config(VLMConfig, "configs/hf/qwen2_vl.yaml",
+                                         [f"model.hf_model={f}", f"data.annotations={data}"]))  # fmt: skip
+
+    a = record(copy)
+    assert a == record(copy)
+    samples = json.loads(data.read_text())
+    samples[0]["conversations"][1]["value"] = "moon"
+    data.write_text(json.dumps(samples))
+    b = record(copy)
+    assert b["annotations_sha256"] != a["annotations_sha256"] and b["hf_fingerprint"] == a["hf_fingerprint"]
+    cfg = json.loads((copy / "config.json").read_text())
+    cfg["text_config"]["rms_norm_eps"] = 1e-5
+    (copy / "config.json").write_text(json.dumps(cfg))
+    assert record(copy)["hf_fingerprint"] != b["hf_fingerprint"]

@@ -1,0 +1,365 @@
+"""Fine-tune a pretrained Hugging Face Qwen2-VL / Qwen2.5-VL / Qwen3-VL folder under any vlpe multimodal variant:
+what ``train/vlm.py`` runs when ``model.hf_model`` is set.
+
+    deepspeed --num_gpus 8 train/vlm.py --config configs/hf/qwen2_vl.yaml model.hf_model=Qwen2-VL-7B-Instruct \
+        model.variant=videorope data.annotations=llava_video_178k.json data.media_root=videos/
+
+The workflow of the papers behind MRoPE-I, VideoRoPE, HoPE, VRoPE, V2PE and PyPE (``../shared``-free summary in the
+README): load the folder offline with its own processor and chat template, switch its text positions and rotary
+tables with :func:`vlpe.integrations.transformers.apply` (``model.scaling`` a vlpe scaling dict), fine-tune on
+LLaVA / ShareGPT-style annotations (:mod:`data.instruct`: videos decoded at ``data.fps`` up to ``data.max_frames``
+with their real timestamps, loss on assistant tokens only), then export a folder stock ``transformers`` loads, with
+the variant recorded in its ``config.json`` (:func:`vlpe.integrations.transformers.save_pretrained`).
+
+The pieces:
+
+* :func:`load_model`: ``AutoModelForImageTextToText.from_pretrained(local_files_only=True)`` in fp32 (DeepSpeed's
+  ``torch_autocast`` runs bf16 compute with fp32 parameters, as every script here does); at ZeRO-3 a
+  ``transformers.integrations.HfDeepSpeedConfig`` of the run's DeepSpeed config is alive while it loads, so the
+  weights load straight into partitioned parameters (a 7B model never materialises whole on one rank); then
+  optional LoRA (``peft``), ``train.freeze`` and ``train.gradient_checkpointing``, then the vlpe patch (after LoRA,
+  so that per-head hooks sit on the modules that run).
+* :class:`CausalLM`: the module DeepSpeed trains: ``forward(batch) -> {"loss", "correct", "scored"}``, the summed
+  cross-entropy of the supervised tokens divided by their number; the LM head runs on supervised positions only
+  (no ``(B, S, vocab)`` logits).
+* :func:`filler_item`: the label-free image + video sample that keeps the vision tower's calls equal on every rank
+  (:mod:`data.hf_batch`).
+* :func:`source_record`: what a resume must find unchanged besides the model section: the checkpoint folder (path
+  and a fingerprint of its config and weight files) and the annotation files (path and sha256).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from train.config import ConfigError
+
+__all__ = ["load_model", "CausalLM", "filler_item", "source_record", "freeze", "export", "main"]
+
+FREEZE_PARTS = ("vision", "merger", "llm")
+
+
+def _fingerprint(folder: Path) -> str:
+    """sha256 over the folder's config.json and the names and sizes of its weight files (cheap for 15 GB folders)."""
+    h = hashlib.sha256((folder / "config.json").read_bytes())
+    for p in sorted(folder.glob("*.safetensors")) + sorted(folder.glob("*.bin")):
+        h.update(f"{p.name}:{p.stat().st_size}".encode())
+    return h.hexdigest()[:16]
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with path.open("rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()[:16]
+
+
+def source_record(cfg) -> dict[str, Any]:
+    """The checkpoint folder and annotation files a run trains from, with fingerprints (part of the signature a
+    resume checks: a changed folder or data file is refused, naming both values)."""
+    folder = Path(cfg.model.hf_model).resolve()
+    out: dict[str, Any] = {"hf_model": str(folder), "hf_fingerprint": _fingerprint(folder)}
+    for key in ("annotations", "val_annotations"):
+        path = getattr(cfg.data, key)
+        if path:
+            p = Path(path).resolve()
+            out[key] = str(p)
+            out[f"{key}_sha256"] = _sha256(p)
+    return out
+
+
+def check_folder(path: str) -> Path:
+    folder = Path(path)
+    if not (folder / "config.json").is_file():
+        raise ConfigError(
+            f"model.hf_model={path!r} is not a Hugging Face checkpoint folder (no config.json); give the folder that "
+            "holds config.json, the weights and the processor files (save_pretrained, or a downloaded snapshot)"
+        )
+    return folder
+
+
+def family_of(model: nn.Module) -> str:
+    from vlpe.integrations.transformers import patch_of
+
+    patch = patch_of(model)
+    if patch is None:
+        raise ValueError("the model carries no vlpe patch")
+    return patch.family
+
+
+def freeze(model: nn.Module, parts: list[str]) -> dict[str, int]:
+    """Stop gradients of ``parts`` (``vision``: the vision tower but its merger(s); ``merger``: the merger(s),
+    Qwen3-VL's deepstack mergers included; ``llm``: the decoder and the LM head); returns the parameter counts
+    left trainable and frozen."""
+    unknown = [p for p in parts if p not in FREEZE_PARTS]
+    if unknown:
+        raise ConfigError(f"train.freeze: unknown part(s) {unknown}; choose from {list(FREEZE_PARTS)}")
+    base = model.model
+    visual, text = base.visual, base.language_model
+
+    def merger(name: str) -> bool:
+        return name.split(".")[0] in ("merger", "deepstack_merger_list")
+
+    chosen: list[nn.Parameter] = []
+    for name, p in visual.named_parameters():
+        if ("merger" in parts and merger(name)) or ("vision" in parts and not merger(name)):
+            chosen.append(p)
+    if "llm" in parts:
+        chosen += list(text.parameters()) + list(model.lm_head.parameters())
+    for p in chosen:
+        p.requires_grad_(False)
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    frozen = sum(p.numel() for p in model.parameters() if not p.requires_grad)
+    return {"trainable": trainable, "frozen": frozen}
+
+
+def load_model(cfg, ds_config: dict | None):
+    """The model and processor of ``cfg.model.hf_model`` ready to train: LoRA, freezing, checkpointing, the variant.
+
+    ``ds_config`` (the run's DeepSpeed config) is needed at ZeRO-3, where loading happens into partitioned
+    parameters; the returned ``keep`` object must stay alive until ``deepspeed.initialize`` has run.
+    """
+    from transformers import AutoModelForImageTextToText, AutoProcessor
+
+    from vlpe.integrations import transformers as vlpe_hf
+
+    m, t = cfg.model, cfg.train
+    folder = check_folder(m.hf_model)
+    keep = None
+    if t.zero_stage == 3:
+        from transformers.integrations import HfDeepSpeedConfig
+
+        keep = HfDeepSpeedConfig(ds_config)  # from_pretrained loads into ZeRO-3 partitions while it lives
+    processor = AutoProcessor.from_pretrained(folder, local_files_only=True)
+    if getattr(processor, "tokenizer", None) is None or getattr(processor, "chat_template", None) is None:
+        raise ConfigError(
+            f"model.hf_model={m.hf_model!r}: its processor has no tokenizer or no chat template; an instruction "
+            "fine-tune renders conversations through the checkpoint's own chat template"
+        )
+    model = AutoModelForImageTextToText.from_pretrained(
+        folder, local_files_only=True, dtype=torch.float32, attn_implementation=m.attn_implementation
+    )
+    model.config.use_cache = False
+    if m.lora.enabled:
+        model = _lora(model, m.lora, zero_stage=t.zero_stage)
+    counts = freeze(model, list(t.freeze)) if t.freeze else None
+    if t.gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        if m.lora.enabled or "llm" in t.freeze:
+            model.enable_input_require_grads()  # checkpointed blocks need an input that requires grad
+    try:
+        options = dict(m.variant_options)
+        if m.scaling is not None:
+            options["scaling"] = m.scaling
+        vlpe_hf.apply(model, m.variant, **options)
+    except ValueError as e:
+        raise ConfigError(f"model.variant={m.variant!r}: {e}") from e
+    return model, processor, keep, counts
+
+
+def _lora(model, lora, *, zero_stage: int):
+    """LoRA adapters (``peft``) on the decoder's linear layers named ``lora.target_modules``; the vision tower keeps
+    its own weights (trainable unless frozen)."""
+    try:
+        from peft import LoraConfig, get_peft_model
+    except ImportError as e:  # pragma: no cover - peft is pinned in requirements.txt
+        raise ConfigError("model.lora.enabled=true needs peft (pip install peft)") from e
+    if zero_stage == 3:
+        raise ConfigError(
+            "model.lora with train.zero_stage=3 is not supported (merging adapters needs the whole weights on one "
+            "rank); use train.zero_stage=2, or full fine-tuning at ZeRO-3"
+        )
+    names = "|".join(lora.target_modules)
+    config = LoraConfig(r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
+                        target_modules=rf".*language_model.*\.({names})")  # fmt: skip
+    peft_model = get_peft_model(model, config)
+    inner = peft_model.base_model.model  # the Qwen model, its linear layers now LoRA layers
+    inner._vlpe_peft = peft_model  # noqa: SLF001 - kept for export (merge or save the adapter)
+    return inner
+
+
+class CausalLM(nn.Module):
+    """``forward(batch) -> {"loss", "correct", "scored"}`` of a Hugging Face Qwen-VL model on a :mod:`data.hf_batch`
+    batch: the summed token cross-entropy of the supervised positions over ``num_labels``, computed from the
+    decoder's hidden states at those positions only; ``correct`` / ``scored`` count the samples whose every
+    supervised token is the argmax (teacher-forced exact match, as :func:`models.vlm.answer_accuracy`)."""
+
+    def __init__(self, *, model: nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, batch: dict) -> dict[str, Tensor]:
+        from data.hf_batch import MODEL_KEYS
+
+        inputs = {k: batch[k] for k in MODEL_KEYS if k in batch}
+        inputs.setdefault("use_cache", False)
+        hidden = self.model.model(**inputs).last_hidden_state  # (B, S, C)
+        target = batch["labels"][:, 1:]  # (B, S - 1): token s + 1 is predicted at s
+        where = target != -100
+        logits = self.model.lm_head(hidden[:, :-1][where]).float()  # (N, V)
+        gold = target[where]
+        loss = F.cross_entropy(logits, gold, reduction="sum") / batch["num_labels"].clamp_min(1)
+        with torch.no_grad():
+            seg, n = self._segments(batch, where)  # (B, S - 1) the sample of every predicted position
+            wrong = (logits.argmax(-1) != gold).long()
+            bad = torch.zeros(n, dtype=torch.long, device=where.device).index_add_(0, seg[where], wrong)
+            has = torch.zeros(n, dtype=torch.long, device=where.device).index_add_(0, seg[where], torch.ones_like(wrong))
+            has = has > 0
+        return {"loss": loss, "correct": (has & (bad == 0)).sum(), "scored": has.sum()}
+
+    @staticmethod
+    def _segments(batch: dict, where: Tensor) -> tuple[Tensor, int]:
+        """The sample of every predicted position ``(B, S - 1)`` (the row, or the packed segment of the predicted
+        token) and the number of samples (segments)."""
+        B, S1 = where.shape
+        if "cu_seqlens" not in batch:
+            return torch.arange(B, device=where.device)[:, None].expand(B, S1), B
+        cu = batch["cu_seqlens"].to(where.device).long()  # (n + 1,)
+        flat = torch.arange(B * (S1 + 1), device=where.device).view(B, S1 + 1)[:, 1:]  # the predicted token's slot
+        return torch.searchsorted(cu, flat, right=True) - 1, cu.numel() - 1
+
+    def no_weight_decay(self) -> set[str]:
+        return set()
+
+
+def filler_item(processor, family: str) -> dict:
+    """A processed sample with one black image and one two-frame black video at the processor's smallest size
+    and no supervised token (see :mod:`data.hf_batch`)."""
+    import numpy as np
+
+    tok = processor.tokenizer
+    ip = processor.image_processor
+    merge = int(getattr(ip, "merge_size", 2))
+    patch = int(getattr(ip, "patch_size", 14))
+    side = patch * merge
+    image = np.zeros((side, side, 3), dtype=np.uint8)
+    video = np.zeros((2, side, side, 3), dtype=np.uint8)
+    text = processor.image_token + processor.video_token
+    start, end = getattr(processor, "vision_start_token", None), getattr(processor, "vision_end_token", None)
+    if start and end:
+        text = f"{start}{processor.image_token}{end}{start}{processor.video_token}{end}"
+    meta = {"fps": 2.0, "total_num_frames": 2, "frames_indices": [0, 1]}
+    out = processor(text=[text], images=[image], videos=[video], video_metadata=[meta], do_sample_frames=False,
+                    return_tensors="pt", return_mm_token_type_ids=True)  # fmt: skip
+    item = {
+        "input_ids": out["input_ids"][0], "mm_token_type_ids": out["mm_token_type_ids"][0],
+        "labels": torch.full_like(out["input_ids"][0], -100), "index": -1,
+    }  # fmt: skip
+    for k in ("pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw", "second_per_grid_ts"):
+        if k in out:
+            item[k] = out[k]
+    if tok.pad_token_id is None:
+        raise ValueError("the tokenizer has no pad token; set one (tokenizer.pad_token) in the checkpoint folder")
+    return item
+
+
+def export(engine, out_dir: Path, *, processor, zero_stage: int) -> Path:
+    """The trained model as a Hugging Face folder ``<out_dir>/hf`` (stock keys, the variant in config.json, the
+    processor beside it); ZeRO-3 weights are gathered module by module onto rank 0 (DeepSpeed's consolidated state
+    dict); LoRA adapters are merged into the weights. Returns the folder."""
+    import torch.distributed as dist
+
+    from vlpe.integrations import transformers as vlpe_hf
+
+    model = engine.module.model
+    folder = out_dir / "hf"
+    rank0 = not dist.is_initialized() or dist.get_rank() == 0
+    if zero_stage == 3:
+        state = engine._zero3_consolidated_16bit_state_dict()  # noqa: SLF001 - rank 0 only; DeepSpeed's own API
+        state = None if state is None else {k.removeprefix("model."): v for k, v in state.items()}
+    else:
+        state = None
+    peft_model = getattr(model, "_vlpe_peft", None)
+    if peft_model is not None:
+        merged = peft_model.merge_and_unload()
+        state = merged.state_dict()
+        model = merged
+    if rank0:
+        dtype = getattr(model.config, "dtype", None)
+        if state is None:
+            state = model.state_dict()
+        if isinstance(dtype, torch.dtype) and dtype.is_floating_point and dtype != torch.float32:
+            state = {k: v.to(dtype) if v.is_floating_point() else v for k, v in state.items()}
+        vlpe_hf.save_pretrained(model, folder, state_dict=state, processor=processor)
+    if dist.is_initialized():
+        dist.barrier()
+    return folder
+
+
+def main(cfg, raw: dict) -> None:
+    """The fine-tuning run of ``cfg`` (a ``train/vlm.py`` config with ``model.hf_model`` set)."""
+    from data.hf_batch import InstructCollator
+    from data.instruct import InstructDataset
+    from train.engine import deepspeed_config, fit, setup_distributed
+    from train.tasks import reduce_accuracy
+
+    from vlpe.integrations.transformers import patch_of
+
+    d, t = cfg.data, cfg.train
+    if not d.annotations:
+        raise ConfigError("model.hf_model needs data.annotations (a LLaVA-format JSON / JSONL file)")
+    rank, world, device = setup_distributed()
+    ds_cfg = deepspeed_config(t, cfg.deepspeed, world=world, device=device)
+    model, processor, keep, counts = load_model(cfg, ds_cfg)
+    patch = patch_of(model)
+    family = patch.family
+    common = dict(media_root=d.media_root or str(Path(d.annotations).resolve().parent), processor=processor,
+                  family=family, fps=d.fps, max_frames=d.max_frames, min_pixels=d.min_pixels,
+                  max_pixels=d.max_pixels, max_length=d.max_length, max_skipped=d.max_skipped)  # fmt: skip
+    try:
+        train_set = InstructDataset(annotations=d.annotations, **common)
+        val_set = InstructDataset(annotations=d.val_annotations, **common) if d.val_annotations else None
+    except ValueError as e:
+        raise ConfigError(f"data: {e}") from e
+    filler = filler_item(processor, family)
+    pad = processor.tokenizer.pad_token_id
+    collate = InstructCollator(variant=patch.variant, family=family, spatial_merge_size=patch.spatial_merge_size,
+                               pad_token_id=pad, packing=d.packing, max_length=d.max_length, filler=filler)  # fmt: skip
+    val_collate = InstructCollator(variant=patch.variant, family=family, spatial_merge_size=patch.spatial_merge_size,
+                                   pad_token_id=pad, filler=filler)  # fmt: skip
+    if rank == 0 and counts is not None:
+        print(f"[train] frozen {t.freeze}: {counts['trainable']:,} parameters trainable, {counts['frozen']:,} frozen",
+              flush=True)  # fmt: skip
+
+    def validate(module, device):
+        from torch.utils.data import DataLoader, Subset
+
+        n = len(val_set) // world  # every rank runs the same number of batches (ZeRO-3 gathers collectively)
+        n = min(n, t.val_batches * t.micro_batch)
+        loader = DataLoader(Subset(val_set, range(rank * n, (rank + 1) * n)), batch_size=t.micro_batch,
+                            collate_fn=val_collate, num_workers=t.num_workers)  # fmt: skip
+        stats = torch.zeros(3, dtype=torch.float64)
+        from train.engine import move_to
+
+        for batch in loader:
+            batch = move_to(batch, device)
+            out = module(batch)
+            scored = out["scored"].double().cpu()
+            stats += torch.stack([out["correct"].double().cpu(), scored, out["loss"].detach().double().cpu() * scored])
+        return reduce_accuracy(stats)
+
+    run_config = {**raw, "script": "vlm", "source": source_record(cfg)}
+    fit(
+        model=CausalLM(model=model),
+        train=t,
+        deepspeed_overrides=cfg.deepspeed,
+        train_set=train_set,
+        collate=collate,
+        validate=validate if val_set is not None else None,
+        run_config=run_config,
+        tokens_per_sample=lambda batch: int(batch["input_ids"].numel()),
+        export=lambda engine, out_dir: export(engine, out_dir, processor=processor, zero_stage=t.zero_stage),
+    )
+    del keep
+    if rank == 0:
+        skipped = {"dropped (longer than data.max_length)": len(train_set.dropped),
+                   "skipped (unreadable media)": len(train_set.skipped)}  # fmt: skip
+        print(f"[train] training samples {json.dumps(skipped)}", flush=True)
