@@ -209,14 +209,17 @@ def position_ids(
         the sample's own delta (an empty sample's is 0).
 
     Raises:
-        ValueError: unknown variant or option, or (``validate``) inputs that do not fit together: token types
-            outside 0/1/2, a ``grid_thw`` whose rows do not match the vision blocks, ``cu_seqlens`` that do not
-            start at 0, decrease, or do not end at the row length, or a vision block straddling a sample
-            boundary.
+        ValueError: unknown variant or option, a batch of no tokens (``S = 0``), ``cu_seqlens`` of a form not
+            listed above (a string, floats, a dict ...), or (``validate``) inputs that do not fit together: token
+            types outside 0/1/2, a ``grid_thw`` whose rows do not match the vision blocks, ``cu_seqlens`` that do
+            not start at 0, decrease, or do not end at the row length, a vision block straddling a sample
+            boundary, or (``cu_seqlens`` with ``attention_mask``) padding between two real tokens of one sample
+            (:meth:`vlpe.encodings.multimodal.Samples.holes`).
     """
     v = get_variant(variant)
     design = get_design(v.design)
     opts = design.options({**v.design_options, **options})
+    _check_not_empty(mm_token_type_ids, "mm_token_type_ids")
     if cu_seqlens is None and design.name in ("grid", "spatial_reset"):  # Qwen2-VL MRoPE: the fused path
         fused = grid_position_ids(
             mm_token_type_ids, grid_thw, attention_mask, spatial_merge_size=spatial_merge_size,
@@ -231,6 +234,8 @@ def position_ids(
     )
     out = design.fn(layout, opts)
     if validate:
+        if layout.samples is not None and attention_mask is not None:  # a packed sample is one run of real tokens
+            layout.checks.append(layout.samples.holes(layout.valid))
         layout.validate()
     return assemble(layout, out, pad_position=pad_position, dtype=dtype)
 
@@ -360,12 +365,24 @@ def pype_attention_mask(
     return keep.unsqueeze(1)
 
 
+def _check_not_empty(types, what: str) -> None:
+    """``ValueError`` for a ``(B, 0)`` batch: ids of no tokens are almost always an upstream bug (an empty
+    sample list, a truncation to 0), and several steps index the last token."""
+    shape = tuple(getattr(types, "shape", ()))
+    if len(shape) == 2 and shape[1] == 0:
+        raise ValueError(
+            f"{what} has shape {shape}: a batch with no tokens (S = 0) has no position ids; drop empty batches "
+            "(or samples) before computing them"
+        )
+
+
 def text_position_ids(
     shape: tuple[int, int] | Tensor,
     attention_mask: Tensor | None = None,
     *,
     cu_seqlens: Tensor | Sequence | None = None,
     device: torch.device | None = None,
+    validate: bool = True,
 ) -> Tensor:
     """The Hugging Face 1D text row ``(B, S)``: every real token's index among the real tokens of its sample.
 
@@ -376,6 +393,14 @@ def text_position_ids(
     Args:
         shape: ``(B, S)``, or a ``(B, S)`` tensor (e.g. ``mm_token_type_ids``) whose shape and device are used.
         attention_mask: ``(B, S)`` 1 real / 0 padding; None: every token is real.
+        validate: with ``cu_seqlens`` and ``attention_mask``, check (one host read) that no padding slot sits
+            between two real tokens of one sample: the row would restart there and split the sample
+            (:meth:`vlpe.encodings.multimodal.Samples.holes`); padding at a sample's start or end is exact.
+
+    Raises:
+        ValueError: a mask of another shape, ``cu_seqlens`` that do not fit (see :func:`position_ids`), packed rows
+            of no tokens, or (``validate``) padding between two real tokens of one packed sample, naming the
+            sample and the slot.
     """
     if isinstance(shape, Tensor):
         device = shape.device if device is None else device
@@ -391,5 +416,10 @@ def text_position_ids(
     if cu_seqlens is None:
         index = valid.cumsum(-1) - valid
     else:
-        index, _ = packed_samples(cu_seqlens, B, S, device=valid.device).cumsum(valid)
+        samples = packed_samples(cu_seqlens, B, S, device=valid.device)
+        index, _ = samples.cumsum(valid)
+        if validate:
+            checks = samples.checks + ([samples.holes(valid)] if attention_mask is not None else [])
+            if bool(torch.stack([c.bad.reshape(()) for c in checks]).any()):  # the one host read
+                raise ValueError(next(c.message() for c in checks if bool(c.bad)))
     return index * valid  # (B, S)
