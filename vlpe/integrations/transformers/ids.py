@@ -13,7 +13,7 @@ __all__ = ["pack_position_ids", "prompt_position_ids", "PositionIds"]
 
 
 def pack_position_ids(
-    ids: Tensor, attention_mask: Tensor | None = None, *, masked: bool, cu_seqlens=None
+    ids: Tensor, attention_mask: Tensor | None = None, *, masked: bool, cu_seqlens=None, validate: bool = True
 ) -> Tensor:
     """The position tensor a patched model takes, from a design's ids ``(A, B, S)`` (e.g. computed in a collator
     with :func:`vlpe.encodings.multimodal.position_ids`): ``(1 + A [+ 1], B, S)``.
@@ -22,9 +22,16 @@ def pack_position_ids(
     sample with ``cu_seqlens``), the ids, and for designs with their own attention mask (PyPE, ``masked``; see
     :attr:`vlpe.encodings.multimodal.Variant.masked`) the sample label of every token (0 padding, else 1, or the
     packed sample's number + 1). Float when the ids are.
+
+    With ``cu_seqlens`` (and ``validate``) the boundaries are checked and, with an ``attention_mask``, that no
+    padding slot sits between two real tokens of one sample (:func:`vlpe.encodings.multimodal.text_position_ids`:
+    one host read); ``validate=False`` skips this for ids whose :func:`vlpe.encodings.multimodal.position_ids`
+    call has validated the same inputs.
     """
     A, B, S = ids.shape
-    text = mm.text_position_ids((B, S), attention_mask, cu_seqlens=cu_seqlens, device=ids.device)  # (B, S)
+    text = mm.text_position_ids(
+        (B, S), attention_mask, cu_seqlens=cu_seqlens, device=ids.device, validate=validate
+    )  # (B, S)
     label = None
     if masked:
         label = torch.ones(B, S, dtype=torch.long, device=ids.device)
@@ -50,8 +57,15 @@ def prompt_position_ids(
     """Packed ids ``(1 + rows, B, S)`` and ``rope_deltas`` of whole prompts of a ``family`` model (``qwen2_vl``,
     ``qwen2_5_vl``, ``qwen3_vl``) under ``variant``, from the processor's tensors; needs no model, so a collator
     (in DataLoader workers) computes exactly what the patched model would (:meth:`PositionIds.prompt_position_ids`).
-    With ``cu_seqlens`` (packed rows) every sample's own ids, a restarting text row, and ``rope_deltas (n, 1)``."""
+    With ``cu_seqlens`` (packed rows) every sample's own ids, a restarting text row, and ``rope_deltas (n, 1)``;
+    a packed sample's padding must sit at its end or start (padding between two of its real tokens, an empty batch
+    or ``cu_seqlens`` of another form are ``ValueError``, see :func:`vlpe.encodings.multimodal.position_ids`)."""
     types = mm_token_type_ids.long()
+    if types.dim() != 2 or types.shape[1] == 0:
+        raise ValueError(
+            f"mm_token_type_ids must be (batch, seq) with seq >= 1 (0 text, 1 image, 2 video per token), got shape "
+            f"{tuple(types.shape)}; drop empty batches before computing position ids"
+        )
     B, S = types.shape
     if attention_mask is not None and (attention_mask.dim() != 2 or tuple(attention_mask.shape) != (B, S)):
         raise ValueError(
@@ -74,7 +88,8 @@ def prompt_position_ids(
         options["second_per_grid_ts"] = second_per_grid_ts
     grid, _ = mm.merge_grids(types, image_grid_thw, video_grid_thw, attention_mask, spatial_merge_size)
     ids, deltas = mm.position_ids(v, types, grid, attention_mask, spatial_merge_size, cu_seqlens=cu_seqlens, **options)
-    return pack_position_ids(ids, attention_mask, masked=v.masked, cu_seqlens=cu_seqlens), deltas
+    # mm.position_ids validated cu_seqlens (and the padding inside packed samples): no second host read
+    return pack_position_ids(ids, attention_mask, masked=v.masked, cu_seqlens=cu_seqlens, validate=False), deltas
 
 
 def _stack(text: Tensor, ids: Tensor, label: Tensor | None) -> Tensor:
