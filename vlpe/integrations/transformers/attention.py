@@ -2,8 +2,16 @@
 
 Everything here is reached through transformers' and PyTorch's public extension points: the attention-function
 registry (:class:`transformers.AttentionInterface`, functions ``vlpe_sdpa`` / ``vlpe_eager`` that add a
-design's own mask), the ``position_embeddings`` every decoder layer receives from the rotary module, and forward
+design's own mask), the ``position_embeddings`` every decoder layer receives from the rotary module, the flash
+varlen keyword arguments (``cu_seq_lens_q`` ...) that the text model hands on to every attention call, and forward
 hooks registered on the modules of one model instance. Nothing in a modeling file is replaced.
+
+Packed rows under flash-type attention: transformers' flash path (``_flash_attention_forward`` in
+``transformers/modeling_flash_attention_utils.py``) runs the varlen kernel on per-segment boundaries given as
+``cu_seq_lens_q`` / ``cu_seq_lens_k`` / ``max_length_q`` / ``max_length_k`` (these win over its own inference,
+which reads packing from position ids for a batch of one row only, and in Qwen-VL only from 4-row tensors). The
+text-model hook derives them once per forward from the packed tensor's text row (:func:`varlen_kwargs`), for
+every row count and batch size, for the implementations :func:`takes_varlen` names.
 """
 
 from __future__ import annotations
@@ -16,9 +24,57 @@ from torch import Tensor, nn
 from vlpe.encodings import multimodal as mm
 from vlpe.encodings.multimodal.rotary import rotate_heads
 
-__all__ = ["MASK_BASES", "register_attention", "AttentionHooks"]
+__all__ = ["MASK_BASES", "VARLEN_ATTENTION", "VARLEN_KEYS", "register_attention", "takes_varlen", "varlen_kwargs",
+           "AttentionHooks"]  # fmt: skip
 
 MASK_BASES = ("sdpa", "eager")
+# attention implementations that read packed rows from the flash varlen kwargs (add a name to this set for an
+# implementation registered in transformers.AttentionInterface that takes them); see takes_varlen
+VARLEN_ATTENTION: set[str] = {"flash_attention_2", "flash_attention_3", "flash_attention_4"}
+VARLEN_KEYS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")
+
+
+def takes_varlen(implementation: str | None) -> bool:
+    """Whether the attention ``implementation`` (a text config's ``_attn_implementation``) reads packed rows from
+    the flash varlen kwargs :data:`VARLEN_KEYS`: a name in :data:`VARLEN_ATTENTION`, or one registered in
+    :class:`transformers.AttentionInterface` as transformers' own ``flash_attention_forward`` (or a
+    ``functools.partial`` of it), which is how transformers registers hub kernels that bring a varlen function
+    (``kernels-community/flash-attn2`` ..., ``integrations/hub_kernels.py``)."""
+    if not implementation:
+        return False
+    if implementation in VARLEN_ATTENTION:
+        return True
+    from transformers.integrations.flash_attention import flash_attention_forward
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    fn = ALL_ATTENTION_FUNCTIONS.get(implementation)
+    return fn is flash_attention_forward or getattr(fn, "func", None) is flash_attention_forward
+
+
+def varlen_kwargs(text: Tensor) -> dict | None:
+    """The flash varlen kwargs of packed rows, from their Hugging Face text row ``text (B, S)``.
+
+    A segment starts at every row start and wherever a text position is not the previous one + 1 (the rule of
+    transformers' ``find_packed_sequence_indices`` in ``masking_utils.py``, which builds the sdpa / eager
+    block-diagonal mask from the same row), so every packed sample is one segment and every padding slot (text
+    position 0, :func:`vlpe.encodings.multimodal.text_position_ids`) one of its own, attending to itself only.
+    Returns ``cu_seq_lens_q`` = ``cu_seq_lens_k`` ``(n + 1,)`` int32 boundaries over the flattened ``B * S``
+    tokens (the layout the varlen kernel runs on, ``(B * S, heads, dim)``) and ``max_length_q`` =
+    ``max_length_k`` (int); None when every row is one segment (nothing packed: the plain kernel is exact). One
+    device-to-host copy of ``B * S`` booleans; no loop over tokens.
+    """
+    B, S = text.shape
+    if B * S == 0:
+        return None
+    start = torch.ones(B, S, dtype=torch.bool, device=text.device)  # (B, S) first token of a segment
+    start[:, 1:] = text[:, 1:] != text[:, :-1] + 1
+    first = start.reshape(-1).cpu().nonzero().squeeze(1)  # (n,) on the host: the forward's one read
+    if first.shape[0] == B:
+        return None
+    cu = torch.cat([first, torch.tensor([B * S])]).to(torch.int32)  # (n + 1,)
+    longest = int((cu[1:] - cu[:-1]).max())
+    cu = cu.to(text.device)
+    return {"cu_seq_lens_q": cu, "cu_seq_lens_k": cu, "max_length_q": longest, "max_length_k": longest}
 
 
 def _masked_attention(base: str):
@@ -128,34 +184,56 @@ class AttentionHooks:
 
     def text_model_pre_hook(self, module: nn.Module, args: tuple, kwargs: dict):
         """Forward pre-hook of the text model: every ``position_ids`` becomes the patch's packed tensor, and packed
-        rows get their block-diagonal mask for every row count.
+        rows keep to their samples for every row count and batch size.
 
         Missing ids (the decoder's default, ``past + arange``) and ``(B, S)`` 1D ids are text positions: they get
-        the design's ids of text. Transformers reads packed samples (a text row restarting at every sample) from
-        the first row of a 4-row position tensor only, when neither an attention mask nor a cache is given; for
-        the patch's other row counts (1D designs, VRoPE's 4 axes, PyPE's layers) this builds the same mask from
-        the text row, under the same conditions, with transformers' own mask builder.
+        the design's ids of text. Packed rows (a text row restarting at every sample) are read only when no
+        attention mask is given and nothing is cached:
+
+        - flash-type attention (:func:`takes_varlen`): the varlen boundaries of the text row
+          (:func:`varlen_kwargs`, computed once here for every layer) join the kwargs the text model hands to each
+          attention call, unless the caller passed its own :data:`VARLEN_KEYS`;
+        - sdpa / eager: transformers builds the block-diagonal mask from the first row of a 4-row position tensor
+          (with ``use_cache=False``); for the patch's other row counts (1D designs, VRoPE's 4 axes, PyPE's layers)
+          this builds the same mask from the text row, under the same conditions, with transformers' own mask
+          builder.
         """
         pos = kwargs.get("position_ids")
         cache = kwargs.get("cache", kwargs.get("past_key_values"))
         embeds = kwargs.get("inputs_embeds")
+        changed = False
         if not isinstance(pos, Tensor) or pos.dim() != 3:
             ref = embeds if embeds is not None else kwargs.get("input_ids", args[0] if args else None)
             if ref is None:
                 return None
+            given = pos is not None
             if pos is None:
                 B, S = ref.shape[:2]
                 past = cache.get_seq_length() if cache is not None else 0
                 pos = (torch.arange(S, device=ref.device) + past).expand(B, S)
-            return args, {**kwargs, "position_ids": self.text_only(pos)}
-        if pos.shape[0] != self.rows + 1 or pos.shape[0] == 4:
-            return None
+            pos = self.text_only(pos)
+            kwargs = {**kwargs, "position_ids": pos}
+            changed = True
+            if not (given and takes_varlen(module.config._attn_implementation)):
+                return args, kwargs  # (B, S) text positions: transformers reads 4-row tensors itself
+        unchanged = (args, kwargs) if changed else None
+        if pos.shape[0] != self.rows + 1 or kwargs.get("attention_mask") is not None:
+            return unchanged
+        if takes_varlen(module.config._attn_implementation):
+            if cache is not None and cache.get_seq_length() > 0:
+                return unchanged  # tokens after a cached prefix: decoding, one sample per row
+            if any(kwargs.get(key) is not None for key in VARLEN_KEYS):
+                return unchanged  # the caller's own boundaries
+            extra = varlen_kwargs(pos[0])
+            return unchanged if extra is None else (args, {**kwargs, **extra})
+        if pos.shape[0] == 4:
+            return unchanged  # transformers builds the packed mask from the text row itself
         use_cache = kwargs.get("use_cache")
         if use_cache is None:  # the model's default, as transformers resolves it (no cache under checkpointing)
             use_cache = getattr(module.config, "use_cache", False)
             use_cache = use_cache and not (module.training and getattr(module, "gradient_checkpointing", False))
-        if kwargs.get("attention_mask") is not None or cache is not None or use_cache:
-            return None
+        if cache is not None or use_cache:
+            return unchanged
         from transformers.masking_utils import create_causal_mask
 
         if embeds is None:  # only the shape, dtype and device are read
@@ -165,5 +243,5 @@ class AttentionHooks:
             config=module.config, inputs_embeds=embeds, attention_mask=None, cache=None, position_ids=pos[0].long()
         )
         if mask is None:  # a plain causal mask: nothing is packed
-            return None
+            return unchanged
         return args, {**kwargs, "attention_mask": mask}
