@@ -35,9 +35,12 @@ first and last frame of each temporal patch (Qwen3-VL's convention). With ``posi
 :func:`to_hf_inputs` renames and splits the batch for ``transformers``' Qwen2-VL models.
 
 Packing (``packing=True``): the samples, in order, fill rows of at most ``max_length`` tokens (one row when
-``max_length`` is None), each row padded to the longest; the batch then also holds ``cu_seqlens`` (n + 1,) int32,
-the cumulative sample lengths over the flattened ``(B * S)`` batch as flash-attention's varlen kernels take them
-(a row's padding belongs to its last sample, or its first with left padding). ``attention_mask`` still marks
+``max_length`` is None), each row padded on the right to the longest; the batch then also holds ``cu_seqlens``
+(n + 1,) int32, the cumulative sample lengths over the flattened ``(B * S)`` batch as flash-attention's varlen
+kernels take them. A row's padding belongs to its last sample and comes after all of its real tokens, so that a
+causal varlen kernel run on these boundaries is exact for every real token (padding never precedes a real token of
+its segment); packing therefore refuses ``padding_side="left"``, whose padding would open the row's first sample.
+A sample that encodes to no tokens is refused (with or without packing). ``attention_mask`` still marks
 padding; ``labels`` are every sample's own (its first token never supervised: nothing in the sample predicts it);
 ``position_ids`` are every sample's own ids (text restarting at each sample) and ``rope_deltas`` (n, 1) one per
 sample. :func:`to_hf_inputs` then hands the model a position tensor with a text row restarting at every sample and
@@ -124,7 +127,7 @@ class VLMCollator:
         tokenizer: the word-level tokenizer (its special tokens give the placeholder ids).
         patch_size, temporal_patch_size, merge_size: the vision tower's patching (Qwen2-VL: 14, 2, 2).
         image_mean, image_std: per-channel normalisation after scaling to [0, 1].
-        padding_side: "right" or "left".
+        padding_side: "right" or "left" ("right" only with ``packing``: see the module docstring).
         max_length: raise ValueError for a longer sequence (nothing is truncated); None: no limit.
         add_bos: start every sequence with ``<bos>``; answer_eos: close every answer with a supervised ``<eos>``.
         position_variant: a :mod:`vlpe.encodings.multimodal` variant name (or Variant); when set the batch
@@ -157,6 +160,13 @@ class VLMCollator:
             raise ValueError(f"packing must be True or False, got {self.packing!r}")
         if self.padding_side not in ("right", "left"):
             raise ValueError(f"padding_side must be 'right' or 'left', got {self.padding_side!r}")
+        if self.packing and self.padding_side != "right":
+            raise ValueError(
+                "packing=True needs padding_side='right': cu_seqlens give every row's padding to a sample, and left "
+                "padding would sit before the first sample's real tokens inside its segment, which a flash-attention "
+                "varlen kernel lets them attend to; use padding_side='right' (the padding then follows the row's "
+                "last sample, after every real token)"
+            )
         if len(self.image_mean) != 3 or len(self.image_std) != 3 or min(self.image_std) <= 0:
             raise ValueError("image_mean and image_std need 3 values each, std positive")
         if self.position_variant is not None:
@@ -254,6 +264,12 @@ class VLMCollator:
         spgs: list[float] = []
         grid_times: list[Tensor] = []
         rows = [self._encode(s, pixel_chunks, grids, types, spgs, grid_times) for s in samples]
+        for k, r in enumerate(rows):
+            if not r[0]:
+                raise ValueError(
+                    f"sample {k} encodes to no tokens (add_bos=False and no words, image or video in it); a batch "
+                    "needs at least one token per sample: drop empty samples before collating"
+                )
         groups = self._groups([len(r[0]) for r in rows]) if self.packing else [[k] for k in range(len(rows))]
         if self.packing:  # concatenate the samples of every row; no sample's first token is predicted
             lengths = [[len(rows[k][0]) for k in g] for g in groups]
@@ -290,10 +306,9 @@ class VLMCollator:
             "video_grid_timestamps": torch.cat(grid_times).float() if grid_times else torch.zeros(0),
         }
         cu = None
-        if self.packing:  # per row: the samples' lengths, the padding counted in the last (first) sample
-            edge = -1 if self.padding_side == "right" else 0
+        if self.packing:  # per row: the samples' lengths, the (right) padding counted in the last sample
             for row in lengths:
-                row[edge] += S - sum(row)
+                row[-1] += S - sum(row)
             flat = [n for row in lengths for n in row]
             cu = torch.tensor([0, *np.cumsum(flat).tolist()], dtype=torch.int32)  # (n + 1,) over B * S tokens
             batch["cu_seqlens"] = cu
@@ -331,7 +346,9 @@ def to_hf_inputs(batch: dict[str, Tensor]) -> dict[str, Any]:
     A packed batch (``cu_seqlens``) needs its ``position_ids``: they go first with the Hugging Face text row
     restarting at every sample (:func:`vlpe.encodings.multimodal.text_position_ids`), and the ``attention_mask``
     and the cache are left out (``use_cache=False``), so that the model builds a block-diagonal causal mask from
-    that row (every padding slot attends to itself only)."""
+    that row (every padding slot attends to itself only). Under flash attention a model patched by
+    :mod:`vlpe.integrations.transformers` hands the varlen kernel the segments of that same row for any batch size
+    (a stock transformers model infers them from it for a batch of one row only)."""
     grid, kinds = batch["grid_thw"], batch["grid_types"]
     sizes = (grid.prod(-1)).tolist()
     chunks = torch.split(batch["pixel_values"], sizes) if sizes else ()
