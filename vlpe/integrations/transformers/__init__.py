@@ -49,6 +49,17 @@ leaves the other as it was), ``torch.save(model)`` / ``torch.load(..., weights_o
 model, and models patched with different variants run side by side in one process. The rotary module computes its
 frequency matrix once per device and keeps it (no host-to-device copy per forward).
 
+Export (:mod:`.export`): a patched model's ``state_dict`` has the stock model's keys (the stock rotary's tensors are
+held by :class:`MultimodalRotary` under their own names), and :func:`apply` records the variant and its options in
+``model.config.vlpe`` (``{"format": 1, "variant": name or {"design", "allocation", ...}, "options": {...}}``, see
+:func:`variant_record`; :func:`remove` deletes it), so ``model.save_pretrained(DIR)`` (or
+:func:`save_pretrained`, which also takes ZeRO-3-gathered weights and the processor) writes a folder that stock
+``AutoModelForImageTextToText.from_pretrained`` loads unchanged, and :func:`from_pretrained` (or ``apply(model)``
+with no variant on the stock-loaded model) restores the patch exactly::
+
+    vlpe_hf.save_pretrained(model, "out", processor=processor)   # config.json: "vlpe": {"variant": "mrope_i", ...}
+    model = vlpe_hf.from_pretrained("out")                        # patched with mrope_i and the same options
+
 Ids for a collator: :func:`position_ids` (or :func:`pack_position_ids` of ids computed with
 :func:`vlpe.encodings.multimodal.position_ids`) returns the packed tensor to pass as ``model(..., position_ids=...)``.
 Do not pass ``position_ids`` to ``generate()`` of a patched model: let it compute them.
@@ -65,8 +76,9 @@ position 0, so each attends to itself alone. Flash attention reads the text row 
 
 
 from .attention import register_attention
+from .export import from_pretrained, recorded_variant, save_pretrained
 from .ids import pack_position_ids, prompt_position_ids
-from .patch import Patch, apply, patch_of, position_ids, remove
+from .patch import Patch, apply, patch_of, position_ids, read_record, remove, variant_record
 from .rotary import MultimodalRotary, RotarySettings
 
 __all__ = [
@@ -80,4 +92,9 @@ __all__ = [
     "pack_position_ids",
     "prompt_position_ids",
     "register_attention",
+    "save_pretrained",
+    "from_pretrained",
+    "recorded_variant",
+    "variant_record",
+    "read_record",
 ]

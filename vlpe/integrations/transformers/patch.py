@@ -1,9 +1,13 @@
-"""The patch of one model instance: :func:`apply`, :func:`remove`, :func:`patch_of`, :func:`position_ids`."""
+"""The patch of one model instance: :func:`apply`, :func:`remove`, :func:`patch_of`, :func:`position_ids`, and the
+record of the variant a patch writes into the model config (:func:`variant_record`, :func:`read_record`)."""
 
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Iterator
+import copy
+import math
+import numbers
+from typing import Any, Iterator, Mapping
 
 import torch
 from torch import Tensor, nn
@@ -14,12 +18,15 @@ from .attention import MASK_BASES, AttentionHooks, head_modules, register_attent
 from .ids import PositionIds
 from .rotary import MultimodalRotary, RotarySettings, rotary_settings
 
-__all__ = ["Patch", "apply", "remove", "patch_of", "position_ids"]
+__all__ = ["Patch", "apply", "remove", "patch_of", "position_ids", "variant_record", "read_record", "RECORD_FORMAT"]
 
 _ROTARY_KEYS = ("allocation", "section", "theta", "scaling")
 _NATIVE_ALLOCATION = {"qwen2_vl": "chunked", "qwen2_5_vl": "chunked", "qwen3_vl": "interleaved"}
 _METHODS = ("compute_3d_position_ids", "get_rope_index")  # shadowed on the base model instance
 _GENERATION = "_prepare_position_ids_for_generation"  # shadowed on the generation model instance
+RECORD_KEY = "vlpe"  # the model config's attribute (a key of config.json) holding the record of the patch
+RECORD_FORMAT = 1
+_VARIANT_FIELDS = ("design", "allocation", "design_options", "section", "theta", "name")
 
 
 def _base_classes() -> dict[type, str]:
@@ -57,13 +64,16 @@ class Patch(PositionIds, AttentionHooks):
             (design options, allocation, section): the one object the ids, tables and masks all come from.
         family: ``"qwen2_vl"``, ``"qwen2_5_vl"`` or ``"qwen3_vl"``.
         spatial_merge_size, num_axes: of the model / the variant's ids.
+        record: the :func:`variant_record` of the :func:`apply` call, kept in ``model.config.vlpe`` while installed.
     """
 
     def __init__(
-        self, *, model: nn.Module, base: nn.Module, family: str, variant: mm.Variant, spatial_merge_size: int
+        self, *, model: nn.Module, base: nn.Module, family: str, variant: mm.Variant, spatial_merge_size: int,
+        record: dict | None = None,
     ) -> None:
         self.model, self.base, self.family = model, base, family
         self.variant = variant
+        self.record = record  # what install() writes to the model config (variant_record)
         self.spatial_merge_size = int(spatial_merge_size)
         self.num_axes = variant.num_axes()
         self._pending: tuple | None = None
@@ -136,6 +146,8 @@ class Patch(PositionIds, AttentionHooks):
             register_attention()
             self.model.set_attn_implementation({"text_config": f"vlpe_{current}"})
             self._attn_implementation = current
+        if self.record is not None:
+            setattr(self.base.config, RECORD_KEY, copy.deepcopy(self.record))
 
     def _shadow(self, obj: nn.Module, name: str, value: Any = None) -> None:
         """Shadow a method on one instance (its ``__dict__``) by the patch's own."""
@@ -143,10 +155,13 @@ class Patch(PositionIds, AttentionHooks):
         obj.__dict__[name] = getattr(self, name) if value is None else value
 
     def remove(self) -> None:
-        """Restore the stock model: rotary module, methods, hooks, attention implementation, ``rope_deltas``."""
+        """Restore the stock model: rotary module, methods, hooks, attention implementation, ``rope_deltas``, and
+        a config without the record of the patch."""
         text = self.text
         if isinstance(text.rotary_emb, MultimodalRotary) and text.rotary_emb.patch is self:
             text.rotary_emb = text.rotary_emb.stock
+            if RECORD_KEY in vars(self.base.config):
+                delattr(self.base.config, RECORD_KEY)
         while self._shadowed:
             obj, name, had, previous = self._shadowed.pop()
             if had:
@@ -206,12 +221,14 @@ def _resolve(v: mm.Variant, options: dict[str, Any], base: nn.Module, family: st
     return v, rotary_options
 
 
-def apply(model: nn.Module, variant: str | mm.Variant, **options: Any) -> nn.Module:
+def apply(model: nn.Module, variant: str | mm.Variant | None = None, **options: Any) -> nn.Module:
     """Make ``model`` use the multimodal RoPE ``variant`` for its text positions, rotary and generation.
 
     Args:
-        model: a Qwen2-VL, Qwen2.5-VL or Qwen3-VL model (``*ForConditionalGeneration`` or base ``*Model``).
-        variant: a name of :data:`vlpe.encodings.multimodal.VARIANTS` or a ``Variant(design, allocation)``.
+        model: a Qwen2-VL, Qwen2.5-VL or Qwen3-VL model (``*ForConditionalGeneration`` or base ``*Model``), also
+            one built on the meta device (e.g. inside ``from_pretrained``): its tables come from its config.
+        variant: a name of :data:`vlpe.encodings.multimodal.VARIANTS` or a ``Variant(design, allocation)``; None
+            (with no options): the variant and options recorded in ``model.config.vlpe`` (see below).
         **options: the design's options (see :data:`vlpe.encodings.multimodal.DESIGNS`); ``section``,
             ``allocation`` and ``theta`` go to the rotary tables (``theta`` defaults to the model's
             ``rope_theta``, PyPE's ``depth`` to the number of decoder layers); ``scaling`` a vlpe scaling dict.
@@ -219,21 +236,35 @@ def apply(model: nn.Module, variant: str | mm.Variant, **options: Any) -> nn.Mod
     Patch the ``*ForConditionalGeneration`` model to use ``generate()``: patching only its base ``*Model``
     changes forward passes but leaves generation's own position bookkeeping in place.
 
+    The call is recorded in ``model.config.vlpe`` (:func:`variant_record`; ``save_pretrained`` writes it to
+    ``config.json``, ``remove`` deletes it), so that ``apply(model)`` on the model loaded back applies it again.
+
     Returns the same model. Applying to a patched model replaces the previous patch. Raises ValueError for an
-    unsupported model, an unknown variant or option, rope scaling that changes with the sequence length, or a
-    masked design (PyPE) under an attention implementation other than sdpa / eager.
+    unsupported model, an unknown variant or option, rope scaling that changes with the sequence length, a
+    masked design (PyPE) under an attention implementation other than sdpa / eager, or (no variant) a config
+    without a restorable record.
     """
     base, family = _locate(model)
+    if variant is None:
+        if options:
+            raise ValueError(
+                f"apply: options {sorted(options)} given without a variant; pass the variant with them, or neither "
+                "to apply the variant recorded in model.config.vlpe"
+            )
+        variant, options = read_record(getattr(base.config, RECORD_KEY, None), where="model.config")
+    record = variant_record(variant, options)
     v, rotary_options = _resolve(mm.get_variant(variant), dict(options), base, family)
     text = base.language_model
     stock = text.rotary_emb.stock if isinstance(text.rotary_emb, MultimodalRotary) else text.rotary_emb
     settings = rotary_settings(_Stock(text, stock), v, rotary_options)
     v = v.with_options(theta=settings.theta)  # the model's base: mm.rotary(patch.variant, ...) gives its tables
     patch = Patch(model=model, base=base, family=family, variant=v,
-                  spatial_merge_size=int(base.config.vision_config.spatial_merge_size))
-    # the allocation must fit the model before anything changes (section sums, KV heads)
-    probe = torch.zeros(patch.rows + 1, 1, 1, dtype=torch.long)
-    MultimodalRotary(patch=patch, stock=stock, settings=settings)(torch.zeros(1, 1, 1), probe)
+                  spatial_merge_size=int(base.config.vision_config.spatial_merge_size), record=record)
+    # the allocation must fit the model before anything changes (section sums, KV heads); on the host, also
+    # under a meta-device context
+    with torch.device("cpu"):
+        probe = torch.zeros(patch.rows + 1, 1, 1, dtype=torch.long)
+        MultimodalRotary(patch=patch, stock=stock, settings=settings)(torch.zeros(1, 1, 1), probe)
     impl = text.config._attn_implementation
     if patch.masked and impl not in MASK_BASES and not (impl or "").startswith("vlpe_"):
         raise ValueError(
@@ -245,6 +276,100 @@ def apply(model: nn.Module, variant: str | mm.Variant, **options: Any) -> nn.Mod
         old.remove()
     patch.install(settings)
     return model
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The record of a patch in the model config
+# ----------------------------------------------------------------------------------------------------------------
+
+
+class _NotJSON(Exception):
+    pass
+
+
+def _json(value: Any) -> Any:
+    """``value`` as JSON that reads back equal (tuples become lists, numbers int / float), or :class:`_NotJSON`."""
+    if value is None or isinstance(value, (bool, str)):
+        return value
+    if isinstance(value, numbers.Integral):
+        return int(value)
+    if isinstance(value, numbers.Real) and math.isfinite(float(value)):
+        return float(value)
+    if isinstance(value, (list, tuple)):
+        return [_json(x) for x in value]
+    if isinstance(value, Mapping) and all(isinstance(k, str) for k in value):
+        return {k: _json(x) for k, x in value.items()}
+    raise _NotJSON
+
+
+def variant_record(variant: str | mm.Variant, options: Mapping[str, Any]) -> dict[str, Any]:
+    """The record of ``apply(model, variant, **options)`` that :func:`apply` keeps in ``model.config.vlpe``.
+
+    ``{"format": 1, "variant": V, "options": {...}}`` with ``V`` the registered name given (or of a registered
+    :class:`~vlpe.encodings.multimodal.Variant` object), else the variant's fields ``{"design", "allocation",
+    "design_options", "section", "theta", "name"}``; ``options`` are the options as given (tuples as lists).
+    Values JSON cannot hold (tensors, generators, non-finite numbers) are left out and named in
+    ``"unrecorded"`` (``"design_options.generator"`` for a variant's own), which :func:`read_record` refuses.
+    ``tests/test_integration_transformers_export.py`` checks that the model restored from it gives the logits of
+    the one recorded, and that stock transformers loads a config holding it.
+    """
+    unrecorded: list[str] = []
+
+    def entries(values: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
+        out = {}
+        for key, value in values.items():
+            try:
+                out[key] = _json(value)
+            except _NotJSON:
+                unrecorded.append(prefix + key)
+        return out
+
+    if isinstance(variant, str):
+        recorded: Any = variant
+    elif mm.VARIANTS.get(variant.name) is variant:
+        recorded = variant.name
+    else:
+        recorded = entries({f: getattr(variant, f) for f in _VARIANT_FIELDS if f != "design_options"})
+        recorded["design_options"] = entries(variant.design_options, "design_options.")
+    record = {"format": RECORD_FORMAT, "variant": recorded, "options": entries(options)}
+    if unrecorded:
+        record["unrecorded"] = unrecorded
+    return record
+
+
+def read_record(record: Any, *, where: str) -> tuple[str | mm.Variant, dict[str, Any]]:
+    """``(variant, options)`` to apply again from a :func:`variant_record` (``where`` names its source in the
+    errors); ValueError for a missing record, another format, or options the record could not hold."""
+    how = "pass the variant explicitly (vlpe.integrations.transformers.apply(model, variant, **options))"
+    if record is None:
+        raise ValueError(
+            f"{where} has no vlpe record (the 'vlpe' entry that vlpe.integrations.transformers.apply puts in the "
+            f"model config and save_pretrained writes to config.json); {how}"
+        )
+    if not isinstance(record, Mapping) or record.get("format") != RECORD_FORMAT or "variant" not in record:
+        raise ValueError(
+            f"{where}: the vlpe record {record!r} is not of format {RECORD_FORMAT} "
+            f"({{'format': {RECORD_FORMAT}, 'variant': ..., 'options': {{...}}}}); {how}"
+        )
+    if record.get("unrecorded"):
+        raise ValueError(
+            f"{where}: the variant was applied with option(s) {list(record['unrecorded'])} that JSON cannot hold "
+            f"(tensors, generators ...), so the record does not restore it; {how} with those options"
+        )
+    variant, options = record["variant"], record.get("options") or {}
+    if isinstance(variant, Mapping):
+        unknown = sorted(set(variant) - set(_VARIANT_FIELDS))
+        if unknown or not {"design", "allocation"} <= set(variant):
+            raise ValueError(
+                f"{where}: the recorded variant {dict(variant)} must have 'design' and 'allocation' and only the "
+                f"fields {list(_VARIANT_FIELDS)}; {how}"
+            )
+        variant = mm.Variant(**variant)
+    elif not isinstance(variant, str):
+        raise ValueError(f"{where}: the recorded variant must be a name or a dict of fields, got {variant!r}; {how}")
+    if not isinstance(options, Mapping):
+        raise ValueError(f"{where}: the recorded options must be a dict, got {options!r}; {how}")
+    return variant, dict(options)
 
 
 class _Stock:

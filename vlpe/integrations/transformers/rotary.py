@@ -50,16 +50,56 @@ class MultimodalRotary(nn.Module):
     input into it. The result is ``(cos, sin)``: ``(B, S, D)``, ``(B, H_kv, S, D)`` for head-wise allocations,
     with a leading layer axis for layer-dependent designs, which also get the ids and sample labels their layer
     masks are built from: ``(cos, sin, ids, labels)``. The frequency matrix is computed once per device and
-    kept (:attr:`cached`). The stock module is kept as ``stock`` (restored by ``remove``). Not named
-    ``*RotaryEmbedding`` on purpose: ``PreTrainedModel._init_weights`` recomputes the buffers of those.
+    kept (:attr:`cached`); it comes from :attr:`settings` alone, never from the module's tensors, so a model patched
+    on the meta device gets its tables right once materialised.
+
+    The stock module stays out of the module tree: its parameters and buffers are registered on this module under
+    their own names and persistence, so the patched model's ``state_dict`` / ``load_state_dict`` /
+    ``named_buffers`` / ``named_non_persistent_buffers`` are the stock model's (what ``save_pretrained`` writes and
+    ``from_pretrained`` fills in), and they move, cast and load with the model. :attr:`stock` hands the stock module
+    back holding them (``remove``). Not named ``*RotaryEmbedding`` on purpose: ``PreTrainedModel._init_weights``
+    recomputes the buffers of those from the module's own attributes; the stock's are recomputed by the stock's
+    rules when it is handed back after the patch was installed on the meta device (see :attr:`stock`). Checked
+    against the stock model's keys, buffers and logits by ``tests/test_integration_transformers_export.py``.
     """
 
     def __init__(self, *, patch: Any, stock: nn.Module, settings: RotarySettings) -> None:
         super().__init__()
+        if next(stock.children(), None) is not None:
+            raise ValueError(
+                f"the decoder's rotary module {type(stock).__name__} has submodules; the vlpe patch expects one that "
+                "holds its tensors directly (the Qwen-VL rotary modules of transformers 5.x)"
+            )
+        for name, param in stock._parameters.items():
+            self.register_parameter(name, param)
+        for name, buffer in stock._buffers.items():
+            self.register_buffer(name, buffer, persistent=name not in stock._non_persistent_buffers_set)
+        object.__setattr__(self, "_stock", stock)  # a plain attribute: outside the module tree
+        # installed while the stock's tensors are on the meta device (init contexts): recompute them once they exist
+        self._stock_unset = any(t is not None and t.is_meta for t in self._tensors().values())
         self.patch = patch
-        self.stock = stock
         self.settings = settings
         self.cached: dict[str, tuple] = {}  # device -> (frequency matrix, attention factor, inverse frequencies)
+
+    def _tensors(self) -> dict[str, Tensor | None]:
+        return {**self._parameters, **self._buffers}
+
+    @property
+    def stock(self) -> nn.Module:
+        """The stock rotary module, holding this module's current parameters and buffers (as moved, cast or loaded
+        with the patched model). When the patch was installed on the meta device and the tensors now exist
+        (``to_empty`` / ``from_pretrained``), the stock's non-loaded buffers are first recomputed by the text model's
+        ``_init_weights``, as ``from_pretrained`` does for a stock model."""
+        stock = self._stock
+        stock._parameters.update(self._parameters)
+        stock._buffers.update(self._buffers)
+        if self._stock_unset and not any(t is not None and t.is_meta for t in self._tensors().values()):
+            with torch.no_grad():
+                self.patch.text._init_weights(stock)
+            self._stock_unset = False
+            self._parameters.update(stock._parameters)
+            self._buffers.update(stock._buffers)
+        return stock
 
     def extra_repr(self) -> str:
         return f"variant={self.patch.label!r}"
@@ -117,7 +157,8 @@ def model_frequencies(rotary_cls: type, cfg, rope_type: str) -> tuple[Tensor, fl
         if rope_type not in ROPE_INIT_FUNCTIONS:
             raise ValueError(f"unknown rope_type {rope_type!r} in the model config")
         fn = ROPE_INIT_FUNCTIONS[rope_type]
-    inv_freq, scaling = fn(cfg)
+    with torch.device("cpu"):  # on the host also under a meta-device context (a model built for from_pretrained)
+        inv_freq, scaling = fn(cfg)
     return inv_freq.detach().float().cpu(), scaling
 
 
@@ -167,7 +208,8 @@ def rotary_settings(text: nn.Module, variant: mm.Variant, options: dict[str, Any
         if rope_type == "dynamic" and "scaling" not in options:
             K = head_dim // 2
             dynamic = (float(rope["factor"]), float(cfg.max_position_embeddings))
-            return RotarySettings(**common, theta=theta, inv_freq=inv_freq_of(K, theta, dim=2 * K), dynamic=dynamic)
+            return RotarySettings(**common, theta=theta, inv_freq=inv_freq_of(K, theta, dim=2 * K, device="cpu"),
+                                   dynamic=dynamic)
         return RotarySettings(**common, theta=theta, scaling=scaling)
     stock = type(text.rotary_emb)
     if rope_type == "dynamic":  # the unscaled frequencies; the factor follows each forward's positions
