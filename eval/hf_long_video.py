@@ -2,9 +2,13 @@
 with its text positions switched to any vlpe multimodal variant.
 
     python eval/long_video.py --hf-model path/to/Qwen2-VL-2B-Instruct --variant mrope_i --haystack my_video.mp4
+    python eval/long_video.py --hf-model outputs/finetuned   # the variant recorded in its config.json
 
 The folder is read offline (``AutoProcessor`` / ``AutoModelForImageTextToText`` with ``local_files_only``); the
-variant is installed with :func:`vlpe.integrations.transformers.apply` (``--variant none``: the stock model). The
+variant is installed with :func:`vlpe.integrations.transformers.apply` (``--variant none``: the stock model).
+Without ``--variant`` a folder is evaluated under the variant and options recorded in its ``config.json`` (a
+fine-tuned folder written by :func:`vlpe.integrations.transformers.save_pretrained`); a folder without a record
+then needs ``--variant``. The
 samples are the ones of :mod:`data.vniah` at the model's scale: the haystack is the user's video file (looped) or
 the shipped real clips, the needle (a photo drawn in red, by default) fills one frame at depth ``d``, V-NIAH-D adds
 one blue distractor of another class ``delta`` frames away. Every video goes through the model's own processor
@@ -23,7 +27,7 @@ are written. The model was not trained on these videos, so "in distribution" mea
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -31,7 +35,7 @@ import torch
 
 __all__ = [
     "HFModel", "load_hf_model", "build_hf_task", "prompt_and_options", "model_inputs", "option_logliks",
-    "evaluate_hf", "add_arguments", "check_arguments", "evaluations",
+    "evaluate_hf", "add_arguments", "check_arguments", "evaluations", "recorded_variant",
 ]  # fmt: skip
 
 DEFAULT_LENGTHS = (8, 16, 32, 64)
@@ -39,18 +43,21 @@ DEFAULT_LENGTHS = (8, 16, 32, 64)
 
 @dataclass
 class HFModel:
-    """A checkpoint folder loaded for evaluation: model (eval mode, patched unless ``variant`` is ``none``)."""
+    """A checkpoint folder loaded for evaluation: model (eval mode, patched unless ``variant`` is ``none``), the
+    variant's label and the options it was applied with."""
 
     path: Path
     name: str
     model: Any
     processor: Any
     variant: str
+    variant_options: dict = field(default_factory=dict)
 
 
-def load_hf_model(path: str | Path, *, variant: str, variant_options: dict | None = None,
+def load_hf_model(path: str | Path, *, variant: str | None = None, variant_options: dict | None = None,
                   device: str | torch.device = "cpu") -> HFModel:  # fmt: skip
-    """Model and processor of a Qwen2-VL / Qwen2.5-VL / Qwen3-VL folder (no network), with ``variant`` applied."""
+    """Model and processor of a Qwen2-VL / Qwen2.5-VL / Qwen3-VL folder (no network), with ``variant`` applied
+    (None: the variant and options recorded in the folder's ``config.json``; ``none``: the stock model)."""
     from transformers import AutoModelForImageTextToText, AutoProcessor
 
     from vlpe.integrations import transformers as vlpe_hf
@@ -61,13 +68,31 @@ def load_hf_model(path: str | Path, *, variant: str, variant_options: dict | Non
             f"--hf-model {str(path)!r} is not a Hugging Face checkpoint folder (no config.json); give the folder "
             "that holds config.json, the weights and the processor files (save_pretrained / a downloaded snapshot)"
         )
+    if variant is None:  # before loading anything: ValueError naming what is missing
+        if variant_options:
+            raise ValueError("variant_options need a variant; without one the folder's recorded options are used")
+        variant, variant_options = recorded_variant(path)
     processor = AutoProcessor.from_pretrained(path, local_files_only=True)
     if getattr(processor, "video_processor", None) is None or getattr(processor, "tokenizer", None) is None:
         raise ValueError(f"{path}: the processor has no video processor or tokenizer; a Qwen-VL processor is needed")
     model = AutoModelForImageTextToText.from_pretrained(path, local_files_only=True).to(device).eval()
     if variant != "none":
         vlpe_hf.apply(model, variant, **(variant_options or {}))  # ValueError for other models / unknown variants
-    return HFModel(path=path, name=path.name, model=model, processor=processor, variant=variant)
+    label = variant if isinstance(variant, str) else vlpe_hf.patch_of(model).label  # a recorded Variant's label
+    return HFModel(path=path, name=path.name, model=model, processor=processor, variant=label,
+                   variant_options=dict(variant_options or {}))  # fmt: skip
+
+
+def recorded_variant(path: str | Path) -> tuple[Any, dict]:
+    """``(variant, options)`` recorded in the ``config.json`` of the folder ``path``; ValueError saying that
+    ``--variant`` is needed when there is none (:func:`vlpe.integrations.transformers.recorded_variant`)."""
+    from vlpe.integrations import transformers as vlpe_hf
+
+    try:
+        return vlpe_hf.recorded_variant(path)
+    except ValueError as e:
+        raise ValueError(f"--hf-model {str(path)!r} without --variant: {e} (--variant V, or none for the stock "
+                         "model)") from None  # fmt: skip
 
 
 def build_hf_task(task: str, lengths: Sequence[int], depths: Sequence[float], *, samples_per_cell: int, seed: int,
@@ -144,7 +169,7 @@ def evaluate_hf(
     lengths: Sequence[int] | None = None,
     depths: Sequence[float] | None = None,
     *,
-    variant: str,
+    variant: str | None = None,
     variant_options: dict | None = None,
     tasks: Sequence[str] = ("v_niah", "v_niah_d"),
     samples_per_cell: int = 4,
@@ -158,10 +183,10 @@ def evaluate_hf(
     device: str | torch.device | None = None,
     progress: bool = True,
 ) -> dict:
-    """V-NIAH / V-NIAH-D multiple-choice accuracy of a checkpoint folder under ``variant`` (see the module
-    docstring); a JSON-ready dict in the layout of :func:`long_video.evaluate_run` (scoring ``choice``), plus
-    ``max_position`` (per length: the largest position id of the first sample's prompt, per axis) and
-    ``logliks`` (every sample's option scores)."""
+    """V-NIAH / V-NIAH-D multiple-choice accuracy of a checkpoint folder under ``variant`` (None: the one recorded
+    in its ``config.json``; see the module docstring); a JSON-ready dict in the layout of
+    :func:`long_video.evaluate_run` (scoring ``choice``), plus ``max_position`` (per length: the largest position
+    id of the first sample's prompt, per axis) and ``logliks`` (every sample's option scores)."""
     from tqdm import tqdm
 
     from common import pick_device
@@ -210,9 +235,9 @@ def evaluate_hf(
         results[t] = {"choice": entry}
     return {
         "run": str(path),
-        "name": f"{hf.name}+{variant}",
-        "variant": variant,
-        "variant_options": variant_options or {},
+        "name": f"{hf.name}+{hf.variant}",
+        "variant": hf.variant,
+        "variant_options": hf.variant_options,
         "family": hf.model.config.model_type,
         "train_frames": train_frames,
         "frame_size": frame_size,
@@ -254,7 +279,8 @@ def add_arguments(p) -> None:
                    help="a Qwen2-VL / Qwen2.5-VL / Qwen3-VL checkpoint folder (read offline), scored by multiple "
                         "choice (eval/hf_long_video.py); repeat for several")
     p.add_argument("--variant", nargs="+", default=None,
-                   help="--hf-model: vlpe multimodal variant(s) to apply (none: the stock model); one evaluation each")
+                   help="--hf-model: vlpe multimodal variant(s) to apply (none: the stock model); one evaluation each "
+                        "(default: the variant recorded in each folder's config.json)")
     p.add_argument("--frame-size", type=int, default=224, help="--hf-model: frame side in pixels")
     p.add_argument("--needles", default="photos", choices=["photos", "fashion_mnist"], help="--hf-model: needles")
     p.add_argument("--fps", type=float, default=2.0, help="--hf-model: frames per second the video is shown at")
@@ -263,9 +289,14 @@ def add_arguments(p) -> None:
 
 
 def check_arguments(p, args) -> None:
-    """``p.error`` for option combinations that would be ignored."""
+    """``p.error`` for option combinations that would be ignored, and for a folder without ``--variant`` whose
+    ``config.json`` records no variant to evaluate."""
     if args.hf_model and not args.variant:
-        p.error("--hf-model needs --variant (e.g. mrope_i; none for the stock model)")
+        for folder in args.hf_model:
+            try:
+                recorded_variant(folder)
+            except ValueError as e:
+                p.error(str(e))
     if args.variant and not args.hf_model:
         p.error("--variant applies to --hf-model; a --run evaluates the variant it was trained with")
     if args.hf_model and args.scaling != ["none"]:
@@ -273,7 +304,7 @@ def check_arguments(p, args) -> None:
 
 
 def evaluations(args) -> list[dict]:
-    """One :func:`evaluate_hf` per (``--hf-model`` folder, ``--variant``)."""
+    """One :func:`evaluate_hf` per (``--hf-model`` folder, ``--variant``; none given: the recorded one)."""
     return [
         evaluate_hf(folder, args.lengths, args.depths, variant=v, tasks=args.tasks,
                     samples_per_cell=4 if args.samples is None else args.samples, haystack=args.haystack or "real",
@@ -281,5 +312,5 @@ def evaluations(args) -> list[dict]:
                     fps=args.fps, seed=0 if args.seed is None else args.seed, train_frames=args.train_frames,
                     device=args.device, progress=not args.no_progress)
         for folder in args.hf_model
-        for v in args.variant
+        for v in (args.variant or [None])
     ]  # fmt: skip

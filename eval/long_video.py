@@ -3,6 +3,7 @@
     python eval/long_video.py --run runs/vlm_mrope_i --run runs/vlm_videorope
     python eval/long_video.py --run runs/vlm_mrope_i --lengths 4 8 16 32 64 128 --samples 10 --out outputs/long_video
     python eval/long_video.py --hf-model path/to/Qwen2-VL-2B-Instruct --variant mrope mrope_i --haystack my.mp4
+    python eval/long_video.py --hf-model outputs/finetuned   # under the variant recorded in its config.json
 
 The protocol of LongVA's V-NIAH and VideoRoPE's V-NIAH-D (benchmarks-and-data.md A2, C3), on the small frames of
 :mod:`data.vniah`: for every video length ``L`` (frames) and needle depth ``d`` the needle frame sits at frame

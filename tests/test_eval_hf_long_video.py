@@ -11,7 +11,8 @@ folder, and the script is run on it end to end. What is checked:
 - the cached option scoring equals scoring ``prompt + option`` in one forward (multi-token options), for the
   patched and the stock model, in all three families;
 - the haystack of ``--haystack VIDEO`` is that file's frames; errors for a folder that is not a checkpoint and
-  for ``--hf-model`` without ``--variant``.
+  for ``--hf-model`` without ``--variant`` on a folder whose config.json records no variant (the recorded variant
+  itself: ``tests/test_integration_transformers_export.py``).
 """
 
 from __future__ import annotations
@@ -153,15 +154,19 @@ def test_the_haystack_is_the_users_video(haystack_file):
             assert min(np.abs(f.astype(int) - p.astype(int)).max() for p in pool) == 0
 
 
-def test_errors(tmp_path, tmp_path_factory):
+def test_errors(tmp_path, tmp_path_factory, capsys):
     with pytest.raises(ValueError, match="no config.json"):
         hf_long_video.load_hf_model(tmp_path, variant="mrope_i")
     with pytest.raises(ValueError, match="neither a video file nor a shipped clip"):
         from data.vniah import RealHaystack
 
         RealHaystack((str(tmp_path / "missing.mp4"),))
-    with pytest.raises(SystemExit):
-        long_video.main(["--hf-model", str(tmp_path)])  # no --variant
+    # no --variant: the folder's config.json must record one (a stock checkpoint does not)
+    for folder, reason in ((folder_for("qwen2_vl", tmp_path_factory), "no vlpe record"), (tmp_path, "no config.json")):
+        with pytest.raises(SystemExit):
+            long_video.main(["--hf-model", str(folder)])
+        err = capsys.readouterr().err
+        assert reason in err and "--variant" in err, err
     with pytest.raises(SystemExit):
         long_video.main([])  # neither --run nor --hf-model
 

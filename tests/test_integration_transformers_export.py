@@ -15,7 +15,7 @@ loading the folder (``AutoModelForImageTextToText.from_pretrained(..., output_lo
 - ``apply`` under a meta-device context (to_empty + load_state_dict, and inside ``from_pretrained`` through a
   subclass) gives the patched logits once materialised, and ``remove`` then the stock ones;
 - :func:`vlpe_hf.save_pretrained` passes a given ``state_dict`` through, saves the processor, writes nothing off
-  the main process.
+  the main process; ``eval/long_video.py --hf-model`` evaluates a folder under its recorded variant.
 """
 
 from __future__ import annotations
@@ -265,3 +265,28 @@ def test_save_pretrained_helper_passes_state_dict_and_processor(tiny_folder, tmp
     assert type(again.video_processor) is type(processor.video_processor)
     assert vhf.recorded_variant(out) == ("vrope", {})
 
+
+def test_evaluation_defaults_to_the_recorded_variant(tiny_folder, tmp_path):
+    import hf_long_video
+    import long_video
+
+    model = AutoModelForImageTextToText.from_pretrained(tiny_folder, local_files_only=True)
+    processor = AutoProcessor.from_pretrained(tiny_folder, local_files_only=True)
+    out = vhf.save_pretrained(vhf.apply(model, "videorope", temporal_scale=3.0), tmp_path / "tuned",
+                              processor=processor)  # fmt: skip
+    hf = hf_long_video.load_hf_model(out)
+    patch = vhf.patch_of(hf.model)
+    assert patch.label == "videorope" and patch.design_options["temporal_scale"] == 3.0
+    assert hf.variant == "videorope" and hf.variant_options == {"temporal_scale": 3.0}
+    assert vhf.patch_of(hf_long_video.load_hf_model(out, variant="none").model) is None
+    with pytest.raises(ValueError, match="without --variant: .*no vlpe record"):
+        hf_long_video.load_hf_model(tiny_folder)
+    small = ["--lengths", "2", "--depths", "0.0", "--samples", "1", "--tasks", "v_niah", "--haystack", "procedural",
+             "--frame-size", "28", "--no-progress", "--device", "cpu"]  # fmt: skip
+    (ev,) = long_video.main(["--hf-model", str(out), "--out", str(tmp_path / "report"), *small])
+    assert ev["variant"] == "videorope" and ev["variant_options"] == {"temporal_scale": 3.0}
+    explicit = hf_long_video.evaluate_hf(out, [2], [0.0], variant="videorope", variant_options={"temporal_scale": 3.0},
+                                         tasks=("v_niah",), samples_per_cell=1, haystack="procedural", frame_size=28,
+                                         progress=False)  # fmt: skip
+    assert ev["tasks"]["v_niah"]["choice"]["logliks"] == explicit["tasks"]["v_niah"]["choice"]["logliks"]
+    assert ev["max_position"] == explicit["max_position"]
