@@ -251,7 +251,13 @@ def _mixed_samples():
     ]  # fmt: skip
 
 
-@pytest.mark.parametrize("side", ["right", "left"])
+def test_packing_refuses_left_padding(tok):
+    # left padding would sit before a row's first sample inside its cu_seqlens segment (flash varlen attends to it)
+    with pytest.raises(ValueError, match="packing=True needs padding_side='right'"):
+        VLMCollator(tok, patch_size=P, padding_side="left", packing=True)
+
+
+@pytest.mark.parametrize("side", ["right"])
 @pytest.mark.parametrize("variant", ["mrope", "qwen25vl", "vrope", "pype"])
 def test_packing_gives_every_sample_its_own_tokens_labels_and_positions(tok, side, variant):
     samples = _mixed_samples()
