@@ -17,11 +17,19 @@ What it does, with progress bars throughout:
 3. evaluates the ViTs with the same weights at up to 4.57x the training resolution (``eval/resolution.py``, the
    LookHere ratios) and the VLM on V-NIAH and V-NIAH-D up to 32x its training length (``eval/long_video.py``),
    printing the tables and saving the plots;
-4. runs the encoding property table and attention plots (``eval/properties.py``).
+4. fine-tunes a pretrained Hugging Face Qwen2-VL folder under another position encoding, the workflow of the
+   VLM position papers (``train/vlm.py --config configs/hf/qwen2_vl.yaml model.hf_model=DIR``): a tiny random
+   Qwen2-VL saved with a real processor and chat template (:mod:`models.tiny_qwen_vl`) stands in for the
+   downloaded checkpoint, trained with MRoPE-I on a LLaVA-format set of V-NIAH needle videos written as real mp4
+   files (:func:`data.instruct.make_vniah_instruct`), on 2 CPU ranks at ZeRO-2; the held-out exact match is read
+   from the run's validation records, and the exported folder (stock-loadable, its variant in ``config.json``) is
+   evaluated on V-NIAH by ``eval/long_video.py --hf-model`` under its recorded variant;
+5. runs the encoding property table and attention plots (``eval/properties.py``).
 
 Everything goes to ``--out`` (default ``outputs/demo``): ``runs/`` (the trained runs), ``resolution/``
 (``resolution.md/.json/.png``), ``long_video/`` (``long_video.md/.json``, ``heatmap_<run>.png``),
-``properties/`` and ``timing.json``. The job is resumable: a run whose ``model.safetensors`` exists (with the
+``finetune/`` (the set, the tiny folder, the run and its ``hf/`` export, ``long_video/``), ``properties/`` and
+``timing.json``. The job is resumable: a run whose ``model.safetensors`` exists (with the
 requested steps) is reused, an evaluation whose output exists with the same runs and settings is reused;
 ``--fresh`` starts over.
 """
@@ -41,7 +49,7 @@ from typing import Any, Sequence
 
 ROOT = Path(__file__).resolve().parents[1]
 
-__all__ = ["main", "train_vits", "train_vlm", "run_finished"]
+__all__ = ["main", "train_vits", "train_vlm", "finetune_hf", "run_finished"]
 
 DIST_VARS = ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
 
@@ -163,6 +171,49 @@ def train_vlm(*, config: Path, steps: int, runs: Path, overrides: Sequence[str],
     return run
 
 
+def finetune_hf(*, out: Path, steps: int, variant: str, fresh: bool, threads: int, ranks: int = 2) -> dict:
+    """Fine-tune a tiny Qwen2-VL folder on made mp4 files (step 4 of the module docstring); returns the run's
+    folders and its validation records. A run whose ``hf/`` export exists with the same arguments is reused."""
+    from data.instruct import make_vniah_instruct
+    from data.vniah import PHOTO_NEEDLES, QUESTIONS
+    from models.tiny_qwen_vl import save_tiny_qwen_vl
+
+    data_dir, folder, run = out / "data", out / "tiny-qwen2-vl", out / "run"
+    if fresh:
+        for p in (data_dir, folder, run):
+            _clean(p)
+    if not (data_dir / "val.json").is_file():
+        make_vniah_instruct(data_dir, train=256, val=64, frames=8, frame_size=56, fps=2.0, seed=0)
+    if not (folder / "config.json").is_file():
+        save_tiny_qwen_vl("qwen2_vl", folder, texts=[QUESTIONS["needle"], *PHOTO_NEEDLES.values()], frame=28,
+                          max_frame=56, layers=2, vision_width=64, vision_depth=2)  # fmt: skip
+    args = [str(ROOT / "train" / "vlm.py"), "--config", str(ROOT / "configs" / "hf" / "qwen2_vl.yaml"),
+            f"model.hf_model={folder}", f"model.variant={variant}", f"data.annotations={data_dir / 'train.json'}",
+            f"data.val_annotations={data_dir / 'val.json'}", f"data.media_root={data_dir / 'media'}",
+            "data.max_frames=8", "train.zero_stage=2", f"train.steps={steps}", "train.micro_batch=4",
+            "train.grad_accum=1", "train.lr=2e-3", "train.warmup_steps=20", "train.freeze=[]",
+            "train.gradient_checkpointing=false", f"train.val_every={max(1, steps // 4)}", "train.val_batches=8",
+            f"train.ckpt_every={steps}", "train.log_every=10", "train.num_workers=0", "train.progress=false",
+            f"train.out_dir={run}", "train.resume=none"]  # fmt: skip
+    stamp = run / "demo_args.json"
+    if fresh or not ((run / "hf" / "config.json").is_file() and stamp.is_file()
+                     and json.loads(stamp.read_text()) == args):  # fmt: skip
+        _clean(run)
+        ds = Path(sys.executable).with_name("deepspeed")
+        cmd = [str(ds), "--num_gpus", str(ranks), "--master_port", str(_free_port()), *args] if ranks > 1 else \
+            [sys.executable, *args]  # fmt: skip
+        print(f"[demo] {' '.join(Path(c).name if i == 0 else c for i, c in enumerate(cmd))}", flush=True)
+        proc = subprocess.run(cmd, cwd=ROOT, env=_env(max(1, threads // max(1, ranks))))
+        if proc.returncode != 0 or not (run / "hf" / "config.json").is_file():
+            raise RuntimeError(f"fine-tuning the Qwen2-VL folder failed (exit {proc.returncode}); see the output above")
+        stamp.write_text(json.dumps(args) + "\n")
+        shutil.rmtree(run / "checkpoints", ignore_errors=True)  # the export is what the demo uses
+    else:
+        print(f"[demo] reusing {run} (fine-tuned {steps} steps)", flush=True)
+    records = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines() if x.strip()]
+    return {"run": run, "export": run / "hf", "records": records}
+
+
 def _cached(folder: Path, name: str, settings: dict) -> list[dict] | None:
     """The evaluations stored in ``folder/name`` if they were made with ``settings``."""
     s, result = folder / "settings.json", folder / name
@@ -202,11 +253,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--vit-override", nargs="*", default=[], metavar="KEY=VALUE", help="extra ViT config overrides")
     p.add_argument("--vlm-override", nargs="*", default=[], metavar="KEY=VALUE", help="extra VLM config overrides")
     p.add_argument("--no-vlm", action="store_true", help="skip the VLM (training and V-NIAH)")
+    p.add_argument("--finetune-steps", type=int, default=300, help="fine-tuning steps of the tiny Qwen2-VL (batch 8)")
+    p.add_argument("--finetune-variant", default="mrope_i", help="the position encoding the Qwen2-VL is fine-tuned with")
+    p.add_argument("--no-finetune", action="store_true", help="skip fine-tuning the Qwen2-VL folder")
     p.add_argument("--no-properties", action="store_true", help="skip eval/properties.py")
     p.add_argument("--fresh", action="store_true", help="retrain and re-evaluate everything")
     p.add_argument("--no-progress", action="store_true")
     args = p.parse_args(argv)
-    for name in ("vit_steps", "vlm_steps", "limit", "samples"):
+    for name in ("vit_steps", "vlm_steps", "limit", "samples", "finetune_steps"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1")
 
@@ -227,7 +281,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         timing[name] = round(time.perf_counter() - t0, 1)
         print(f"[demo] {name}: {timing[name]:.0f} s", flush=True)
 
-    print(f"[demo] 1/4 training ViTs ({', '.join(args.vit)}) on Fashion-MNIST at 28 px, {args.vit_steps} steps",
+    print(f"[demo] 1/5 training ViTs ({', '.join(args.vit)}) on Fashion-MNIST at 28 px, {args.vit_steps} steps",
           flush=True)  # fmt: skip
     t0 = time.perf_counter()
     vit_over = [*_protocol_overrides(VIT.train), f"train.warmup_steps={max(1, args.vit_steps // 20)}",
@@ -237,7 +291,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     phase("train_vit", t0)
     vlm_run = None
     if not args.no_vlm:
-        print(f"[demo] 2/4 training the VLM ({args.vlm_config.name}) on V-NIAH, {args.vlm_steps} steps, "
+        print(f"[demo] 2/5 training the VLM ({args.vlm_config.name}) on V-NIAH, {args.vlm_steps} steps, "
               f"launcher {args.launcher}", flush=True)  # fmt: skip
         t0 = time.perf_counter()
         vlm_over = [*_protocol_overrides(VLM.train), "train.warmup_steps=10", "train.val_batches=2",
@@ -246,7 +300,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                             fresh=args.fresh, launcher=args.launcher, threads=cores)  # fmt: skip
         phase("train_vlm", t0)
 
-    print("[demo] 3/4 evaluating: ViTs at higher resolution, the VLM beyond its training length", flush=True)
+    print("[demo] 3/5 evaluating: ViTs at higher resolution, the VLM beyond its training length", flush=True)
     t0 = time.perf_counter()
     folder = out / "resolution"
     settings = {"runs": [_stamp(r) for r in vit_runs.values()], "ratios": args.ratios, "limit": args.limit}
@@ -277,8 +331,32 @@ def main(argv: Sequence[str] | None = None) -> int:
         print("\n" + long_video.markdown(lv))
         phase("eval_long_video", t0)
 
+    ft = None
+    if not args.no_finetune:
+        print(f"[demo] 4/5 fine-tuning a (tiny) Qwen2-VL folder with {args.finetune_variant} on V-NIAH mp4 files, "
+              f"{args.finetune_steps} steps, 2 ranks, ZeRO-2", flush=True)  # fmt: skip
+        t0 = time.perf_counter()
+        ft = finetune_hf(out=out / "finetune", steps=args.finetune_steps, variant=args.finetune_variant,
+                         fresh=args.fresh, threads=cores)  # fmt: skip
+        phase("finetune", t0)
+        t0 = time.perf_counter()
+        folder = out / "finetune" / "long_video"
+        export = ft["export"]
+        settings = {"export": [str(export), (export / "model.safetensors").stat().st_mtime_ns], "lengths": [8, 16, 32]}
+        ft["long_video"] = None if args.fresh else _cached(folder, "long_video.json", settings)
+        if ft["long_video"] is None:
+            import hf_long_video
+
+            ft["long_video"] = [hf_long_video.evaluate_hf(
+                export, [8, 16, 32], [0.0, 0.5, 1.0], variant=None, tasks=("v_niah",), samples_per_cell=4,
+                haystack="procedural", frame_size=56, fps=2.0, train_frames=8, device="cpu", progress=progress)]
+            long_video.write_report(ft["long_video"], folder)
+            (folder / "settings.json").write_text(json.dumps(settings))
+        print("\n" + long_video.markdown(ft["long_video"]))
+        phase("eval_finetune", t0)
+
     if not args.no_properties:
-        print("[demo] 4/4 encoding properties and attention plots (eval/properties.py)", flush=True)
+        print("[demo] 5/5 encoding properties and attention plots (eval/properties.py)", flush=True)
         t0 = time.perf_counter()
         cmd = [sys.executable, str(ROOT / "eval" / "properties.py"), "--out", str(out / "properties")]
         rc = subprocess.run(cmd, cwd=ROOT, env=_env(cores)).returncode
@@ -301,7 +379,17 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"  VLM {ev['variant']} {task.replace('_', '-').upper():>8}: {100 * t['in_distribution']:.1f}% "
                   f"up to {ev['train_frames']} frames -> {100 * t['extrapolated']:.1f}% beyond "
                   f"(up to {max(ev['lengths'])} frames)")  # fmt: skip
-    print(f"  plots and tables: {out / 'resolution'}, {out / 'long_video'}, {out / 'properties'}")
+    if ft is not None:
+        val = [r for r in ft["records"] if r["split"] == "val"]
+        train = [r["loss"] for r in ft["records"] if r["split"] == "train"]
+        if val:
+            print(f"  Qwen2-VL fine-tuned with {args.finetune_variant}: train loss {train[0]:.2f} -> {train[-1]:.2f}, "
+                  f"held-out exact match {100 * val[-1]['acc']:.1f}% (chance 12.5%) after {val[-1]['step']} steps")
+        for ev in ft.get("long_video") or []:
+            r = ev["tasks"]["v_niah"]["choice"]
+            print(f"  its export ({ev['variant']}, multiple choice): V-NIAH {100 * r['in_distribution']:.1f}% at 8 "
+                  f"frames -> {100 * r['extrapolated']:.1f}% at 16-32 frames")  # fmt: skip
+    print(f"  plots and tables: {out / 'resolution'}, {out / 'long_video'}, {out / 'finetune'}, {out / 'properties'}")
     print(f"[demo] done in {timing['total'] / 60:.1f} min", flush=True)
     return 0
 

@@ -71,7 +71,10 @@ transformers builds a block-diagonal causal mask from the text row of a 4-row te
 builds the same mask for every other row count (1D designs, VRoPE, PyPE), and PyPE's own mask keeps to each
 sample, so every sample's logits equal those of the sample run alone. Padding goes inside a sample (e.g. at the end
 of a row's last one) and into the ``attention_mask`` given to :func:`position_ids` only: its slots get text
-position 0, so each attends to itself alone. Flash attention reads the text row of 4-row tensors only.
+position 0, so each attends to itself alone. Under a flash-type attention (``flash_attention_2`` ...; see
+:data:`attention.VARLEN_ATTENTION`) the same text row gives the varlen metadata (``cu_seq_lens_q/k``,
+``max_length_q/k``) the patch hands every layer, for any row count and batch size. Padding between two real tokens
+of one packed sample is refused (it would restart the sample's text positions).
 """
 
 

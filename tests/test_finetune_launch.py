@@ -1,0 +1,230 @@
+"""Fine-tuning a Hugging Face Qwen-VL folder end to end: ``deepspeed --num_gpus 2 train/vlm.py --config
+configs/hf/<family>.yaml model.hf_model=DIR ...`` on 2 CPU ranks (gloo), as a user runs it.
+
+Tiny random Qwen2-VL / Qwen2.5-VL / Qwen3-VL folders with a real processor and chat template
+(:mod:`models.tiny_qwen_vl`) and a LLaVA-format set of real mp4 files and PNG images
+(:func:`data.instruct.make_vniah_instruct`). What is checked:
+- every family trains at ZeRO-2 and ZeRO-3 (packed and padded), the loss falls, and the export is a folder that
+  stock transformers loads with exactly the keys of the source folder and none missing or unexpected;
+- under vlpe (``vlpe_hf.from_pretrained``) the export gives the logits of the trained model: the weights of the
+  run's final DeepSpeed checkpoint (ZeRO-2: the module state; ZeRO-3: DeepSpeed's own fp32 reconstruction)
+  loaded into the source model patched with the same variant;
+- ``kill -9`` during a 2-rank ZeRO-3 run and ``train.resume=auto`` end bit-identical to the uninterrupted run,
+  each step logged once; a resume with another variant or another data file is refused, naming both values;
+- ``eval/long_video.py --hf-model OUT`` evaluates the export under its recorded variant.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+ROOT = Path(__file__).resolve().parents[1]
+PY = sys.executable
+DS = str(Path(PY).parent / "deepspeed")
+ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+
+
+@pytest.fixture(scope="module")
+def vniah_set(tmp_path_factory):
+    from data.instruct import make_vniah_instruct
+
+    return make_vniah_instruct(tmp_path_factory.mktemp("set"), train=48, val=8, frames=4, frame_size=56,
+                               image_every=4)  # fmt: skip
+
+
+_FOLDERS: dict = {}
+
+
+def tiny(family, tmp_path_factory):
+    from data.vniah import PHOTO_NEEDLES, QUESTIONS
+    from models.tiny_qwen_vl import save_tiny_qwen_vl
+
+    if family not in _FOLDERS:
+        folder = tmp_path_factory.mktemp(family) / f"tiny-{family}"
+        _FOLDERS[family] = save_tiny_qwen_vl(family, folder, texts=[QUESTIONS["needle"], *PHOTO_NEEDLES.values()],
+                                             frame=28, max_frame=56)  # fmt: skip
+    return _FOLDERS[family]
+
+
+def command(family, folder, data, out, *extra, ranks=2):
+    from train.launch import _free_port
+
+    launch = [DS, "--num_gpus", str(ranks), "--master_port", str(_free_port())] if ranks > 1 else [PY]
+    return [*launch, "train/vlm.py", "--config", f"configs/hf/{family}.yaml", f"model.hf_model={folder}",
+            f"data.annotations={data['train']}", f"data.val_annotations={data['val']}",
+            f"data.media_root={data['media_root']}", "train.micro_batch=4", "train.grad_accum=1", "train.lr=2e-3",
+            "train.warmup_steps=2", "train.log_every=1", "train.val_batches=1", "train.num_workers=0",
+            "train.progress=false", "data.max_frames=8", f"train.out_dir={out}", *extra]  # fmt: skip
+
+
+def run(cmd, **kw):
+    r = subprocess.run(cmd, cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=900, **kw)
+    assert r.returncode == 0, f"{' '.join(map(str, cmd))} failed:\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}"
+    return r
+
+
+def metrics(out: Path) -> list[dict]:
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def trained_state(out: Path, step: int, zero_stage: int) -> dict:
+    """The model weights of the run's final DeepSpeed checkpoint, read without the code under test."""
+    ckpt = out / "checkpoints"
+    tag = f"step_{step:08d}"
+    if zero_stage == 3:
+        from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+        state = get_fp32_state_dict_from_zero_checkpoint(str(ckpt), tag=tag)
+    else:
+        state = torch.load(ckpt / tag / "mp_rank_00_model_states.pt", map_location="cpu", weights_only=False)["module"]
+    return {k.removeprefix("model."): v for k, v in state.items()}
+
+
+def check_export(out: Path, source: Path, variant: str, step: int, zero_stage: int, inputs: dict) -> None:
+    """The export loads in stock transformers with the source folder's keys, and under vlpe gives the logits of
+    the source model patched with ``variant`` carrying the checkpoint's weights."""
+    from transformers import AutoModelForImageTextToText
+
+    from vlpe.integrations import transformers as vlpe_hf
+
+    export = out / "hf"
+    stock, info = AutoModelForImageTextToText.from_pretrained(export, local_files_only=True, output_loading_info=True)
+    assert not any(info.values()), info  # no missing / unexpected / mismatched keys, no errors
+    src = AutoModelForImageTextToText.from_pretrained(source, local_files_only=True)
+    assert set(stock.state_dict()) == set(src.state_dict())
+    assert vlpe_hf.patch_of(stock) is None
+    restored = vlpe_hf.from_pretrained(export, local_files_only=True).eval()
+    assert vlpe_hf.patch_of(restored).label == variant
+    reference = AutoModelForImageTextToText.from_pretrained(source, local_files_only=True)
+    missing, unexpected = reference.load_state_dict(trained_state(out, step, zero_stage), strict=False)
+    assert not unexpected and all("rotary" in k for k in missing), (missing, unexpected)
+    vlpe_hf.apply(reference.eval(), variant)
+    with torch.no_grad():
+        a, b = restored(**inputs).logits, reference(**inputs).logits
+    torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    assert (a - src.eval()(**inputs).logits).abs().max() > 1e-3, "the export carries the untrained weights"
+
+
+def sample_inputs(folder: Path, data: dict) -> dict:
+    from transformers import AutoProcessor
+
+    from data.instruct import InstructDataset
+
+    processor = AutoProcessor.from_pretrained(folder, local_files_only=True)
+    family = json.loads((folder / "config.json").read_text())["model_type"]
+    ds = InstructDataset(annotations=data["val"], media_root=data["media_root"], processor=processor, family=family,
+                         max_frames=8)  # fmt: skip
+    it = next(x for x in (ds[i] for i in range(len(ds))) if x is not None and "video_grid_thw" in x)
+    out = {k: it[k][None] for k in ("input_ids", "mm_token_type_ids")}
+    out["attention_mask"] = torch.ones_like(out["input_ids"])
+    for k in ("pixel_values_videos", "video_grid_thw", "second_per_grid_ts"):
+        if k in it:
+            out[k] = it[k]
+    return out
+
+
+def falls(out: Path) -> tuple[float, float]:
+    losses = [r["loss"] for r in metrics(out) if r["split"] == "train"]
+    k = max(1, len(losses) // 4)
+    return sum(losses[:k]) / k, sum(losses[-k:]) / k
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family,zero,packing,variant", [
+    ("qwen2_vl", 2, True, "mrope_i"),
+    ("qwen2_vl", 3, False, "videorope"),
+    ("qwen2_5_vl", 3, True, "vrope"),
+    ("qwen3_vl", 2, False, "mhrope"),
+])  # fmt: skip
+def test_fine_tune_on_two_ranks_exports_a_stock_folder(family, zero, packing, variant, vniah_set, tmp_path_factory,
+                                                       tmp_path):  # fmt: skip
+    folder = tiny(family, tmp_path_factory)
+    out = tmp_path / "run"
+    steps = 12
+    run(command(family, folder, vniah_set, out, f"model.variant={variant}", f"train.zero_stage={zero}",
+                f"data.packing={str(packing).lower()}", f"train.steps={steps}", "train.val_every=12",
+                "train.ckpt_every=12", "train.freeze=[]"))  # fmt: skip
+    first, last = falls(out)
+    assert last < first, (first, last)
+    recs = metrics(out)
+    assert [r["step"] for r in recs if r["split"] == "train"] == list(range(1, steps + 1))
+    assert any(r["split"] == "val" for r in recs)
+    config = json.loads((out / "hf" / "config.json").read_text())
+    assert config["vlpe"]["variant"] == variant
+    check_export(out, folder, variant, steps, zero, sample_inputs(folder, vniah_set))
+
+
+@pytest.mark.slow
+def test_kill_and_resume_equals_the_uninterrupted_run_and_changes_are_refused(vniah_set, tmp_path_factory, tmp_path):
+    from safetensors.torch import load_file
+
+    folder = tiny("qwen2_vl", tmp_path_factory)
+    common = ["model.variant=videorope", "train.zero_stage=3", "train.steps=8", "train.ckpt_every=3",
+              "train.val_every=100", "train.freeze=[merger]", "data.packing=true"]  # fmt: skip
+    ref, killed = tmp_path / "ref", tmp_path / "killed"
+    run(command("qwen2_vl", folder, vniah_set, ref, *common))
+    proc = subprocess.Popen(command("qwen2_vl", folder, vniah_set, killed, *common), cwd=ROOT, env=ENV,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)  # fmt: skip
+    marker = killed / "checkpoints/step_00000006/COMPLETE"
+    deadline = time.time() + 600
+    while not marker.exists() and proc.poll() is None and time.time() < deadline:
+        time.sleep(0.05)
+    assert marker.exists(), "the run never reached its step-6 checkpoint"
+    os.killpg(proc.pid, signal.SIGKILL)  # the launcher and both ranks
+    proc.wait()
+    assert not (killed / "hf").exists(), "the run finished before it could be killed"
+    r = run(command("qwen2_vl", folder, vniah_set, killed, *common, "train.resume=auto"))
+    assert "resumed from" in r.stdout and "step_00000006" in r.stdout
+    a, b = load_file(ref / "hf" / "model.safetensors"), load_file(killed / "hf" / "model.safetensors")
+    assert a.keys() == b.keys()
+    for k in a:
+        torch.testing.assert_close(a[k], b[k], rtol=0, atol=0, msg=f"{k} differs after resume")
+    steps = [x["step"] for x in metrics(killed) if x["split"] == "train"]
+    assert steps == list(range(1, 9)), steps
+
+    # another variant, another data file: refused before training, naming both values
+    for change, recorded, now in [
+        (["model.variant=mrope"], "'videorope'", "'mrope'"),
+        ([f"data.annotations={vniah_set['val']}"], Path(vniah_set["train"]).name, Path(vniah_set["val"]).name),
+    ]:
+        cmd = command("qwen2_vl", folder, vniah_set, killed, *common, "train.steps=9", "train.resume=auto", *change)
+        r = subprocess.run([PY, *cmd[cmd.index("train/vlm.py"):]], cwd=ROOT, env=ENV, capture_output=True, text=True,
+                           timeout=600)  # fmt: skip
+        assert r.returncode == 2, r.stderr[-2000:]
+        assert "checkpoint error" in r.stderr and recorded in r.stderr and now in r.stderr, r.stderr[-2000:]
+
+
+@pytest.mark.slow
+def test_lora_exports_merged_weights_and_the_export_evaluates(vniah_set, tmp_path_factory, tmp_path):
+    folder = tiny("qwen2_vl", tmp_path_factory)
+    out = tmp_path / "lora"
+    run(command("qwen2_vl", folder, vniah_set, out, "model.variant=mrope_i", "train.zero_stage=2", "train.steps=4",
+                "train.val_every=4", "train.ckpt_every=4", "model.lora.enabled=true", "model.lora.r=4",
+                "train.freeze=[vision]", ranks=1))  # fmt: skip
+    from transformers import AutoModelForImageTextToText
+
+    stock, info = AutoModelForImageTextToText.from_pretrained(out / "hf", local_files_only=True,
+                                                              output_loading_info=True)  # fmt: skip
+    assert not any(info.values()), info
+    src = AutoModelForImageTextToText.from_pretrained(folder, local_files_only=True)
+    assert set(stock.state_dict()) == set(src.state_dict())
+    changed = [k for k, v in stock.state_dict().items() if not torch.equal(v, src.state_dict()[k])]
+    assert changed and all("language_model" in k and "proj" in k for k in changed), changed  # merged adapters only
+
+    report = tmp_path / "report"
+    r = run([PY, "eval/long_video.py", "--hf-model", str(out / "hf"), "--lengths", "2", "4", "--depths", "0.5",
+             "--samples", "1", "--frame-size", "28", "--haystack", "procedural", "--tasks", "v_niah", "--out",
+             str(report), "--no-progress", "--device", "cpu"])  # fmt: skip
+    saved = json.loads((report / "long_video.json").read_text())["runs"]
+    assert [ev["variant"] for ev in saved] == ["mrope_i"], r.stdout[-1000:]
