@@ -10,11 +10,12 @@ under ``deepspeed train/X.py`` and ``python train/X.py``. Any other unknown flag
 from __future__ import annotations
 
 import argparse
+import errno
 import sys
 import textwrap
 from typing import Sequence, TypeVar
 
-from .checkpoint import CheckpointError
+from .checkpoint import CheckpointError, disk_full_message
 from .config import ConfigError, config_keys, load_config, read_mapping, to_dict
 
 __all__ = ["parse", "build_parser", "main_guard", "PRECEDENCE", "LAUNCH_NOTES"]
@@ -25,9 +26,13 @@ PRECEDENCE = (
     "DeepSpeed settings, later wins: (1) what train.* sets (batch sizes from micro_batch x grad_accum x ranks, "
     "gradient_clipping from grad_clip, bf16 from precision, ZeRO stage from zero_stage); (2) the --config file's "
     "deepspeed: section; (3) the --deepspeed_config FILE (JSON or YAML, merged key by key as the deepspeed "
-    "section); (4) deepspeed.key=value overrides on the command line. Batch sizes that disagree with train.* are "
-    "an error, as is a key the installed DeepSpeed does not read and an optimizer / scheduler section (the "
-    "scripts build AdamW and the cosine schedule from train.*)."
+    "section); (4) deepspeed.key=value overrides on the command line. What the training loop itself uses must agree "
+    "with train.*: train_micro_batch_size_per_gpu (train.micro_batch), gradient_accumulation_steps (train.grad_accum), "
+    "zero_optimization.stage (train.zero_stage) and train_batch_size (their product with the ranks); a value that "
+    "differs is an error naming both, as is a key the installed DeepSpeed does not read (nested keys of the sections "
+    "it reads key by key, such as checkpoint, included), an optimizer / scheduler section (the scripts build AdamW "
+    "and the cosine schedule from train.*) and checkpoint.load_universal (DeepSpeed's universal-checkpoint loader "
+    "unpickles with weights_only=False)."
 )
 
 LAUNCH_NOTES = (
@@ -84,8 +89,8 @@ def parse(cls: type[T], argv: Sequence[str] | None = None, *, description: str =
 
 
 def main_guard(main) -> None:
-    """Run ``main()``, turning config mistakes and unusable checkpoints into a one-paragraph error instead
-    of a traceback."""
+    """Run ``main()``, turning config mistakes, unusable checkpoints and a full disk into a one-paragraph error
+    instead of a traceback."""
     try:
         main()
     except ConfigError as e:
@@ -93,4 +98,9 @@ def main_guard(main) -> None:
         sys.exit(2)
     except CheckpointError as e:
         print(f"checkpoint error: {e}", file=sys.stderr)
+        sys.exit(2)
+    except OSError as e:
+        if e.errno not in (errno.ENOSPC, errno.EDQUOT):
+            raise
+        print(f"disk full: {disk_full_message(e.filename or '.', action='writing')}", file=sys.stderr)
         sys.exit(2)

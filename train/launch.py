@@ -12,8 +12,11 @@
 
 from __future__ import annotations
 
+import errno
+import math
 import os
 import random
+import tempfile
 import socket
 from dataclasses import dataclass
 from pathlib import Path
@@ -61,6 +64,23 @@ class TrainSection:
             raise ConfigError("train.out_dir must name a directory for the run's outputs, got an empty string")
         if self.zero_stage not in (0, 1, 2, 3):
             raise ConfigError(f"train.zero_stage must be 0, 1, 2 or 3, got {self.zero_stage}")
+        for name in ("lr", "min_lr", "weight_decay", "grad_clip"):
+            if not math.isfinite(getattr(self, name)):
+                raise ConfigError(f"train.{name} must be a finite number, got {getattr(self, name)}")
+        if self.lr <= 0:
+            raise ConfigError(f"train.lr must be > 0 (the peak learning rate of the cosine schedule), got {self.lr}")
+        if not 0 <= self.min_lr <= self.lr:
+            raise ConfigError(
+                f"train.min_lr must lie in [0, train.lr={self.lr}] (the floor the cosine schedule decays to), "
+                f"got {self.min_lr}"
+            )
+        for name in ("warmup_steps", "weight_decay", "keep_checkpoints", "num_workers"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"train.{name} must be >= 0, got {getattr(self, name)}")
+        if self.grad_clip < 0:
+            raise ConfigError(
+                f"train.grad_clip must be >= 0 (the maximum gradient norm; 0 turns clipping off), got {self.grad_clip}"
+            )
 
 
 def _free_port() -> int:
@@ -104,8 +124,10 @@ def deepspeed_config(train: TrainSection, overrides: dict, *, world: int, device
     }
     if precision == "bf16":
         cfg["torch_autocast"] = {"enabled": True, "dtype": "torch.bfloat16"}
+    _check_owned_values(train, overrides or {})
     cfg = _deep_merge(cfg, overrides or {})
     _check_deepspeed_keys(cfg, overrides or {}, world=world)
+    _refuse_unsafe_loading(cfg)
     owned = [k for k in ("optimizer", "scheduler") if k in cfg]
     if owned:
         raise ConfigError(
@@ -138,10 +160,67 @@ def deepspeed_config(train: TrainSection, overrides: dict, *, world: int, device
 _DEEPSPEED_READ_ELSEWHERE = frozenset(
     {
         "amp", "compression_training", "curriculum_learning", "eigenvalue", "elasticity", "graph_harvesting",
-        "load_universal_checkpoint", "nebula", "quantize_training", "sequence_parallel_size", "sparse_attention",
-        "use_node_local_storage",
+        "nebula", "quantize_training", "sequence_parallel_size", "sparse_attention",
     }
 )  # fmt: skip
+
+#: DeepSpeed keys whose value the training loop itself uses (from the ``train:`` section): a ``deepspeed:`` value
+#: must agree with it. ``zero_optimization.stage`` decides how ``export_weights`` gathers the weights.
+_OWNED = (
+    (("train_micro_batch_size_per_gpu",), "micro_batch", "the data loader draws train.micro_batch samples per rank"),
+    (("gradient_accumulation_steps",), "grad_accum", "the loop counts an optimizer step every train.grad_accum "
+                                                     "micro-batches and sizes the schedule with it"),
+    (("zero_optimization", "stage"), "zero_stage", "the export gathers ZeRO-3 partitions by train.zero_stage"),
+)  # fmt: skip
+
+
+def _positive_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
+
+
+def _check_owned_values(train: TrainSection, overrides: dict) -> None:
+    """``ConfigError`` for a ``deepspeed:`` value that the ``train:`` section owns (:data:`_OWNED`) and that
+    differs from it, or for batch sizes / gradient clipping that are not valid numbers; each message names
+    the ``deepspeed.*`` key and the ``train.*`` key it must agree with."""
+    for path, name, why in _OWNED:
+        node: Any = overrides
+        for part in path:
+            if not isinstance(node, dict) or part not in node:
+                break
+            node = node[part]
+        else:
+            key, mine = "deepspeed." + ".".join(path), getattr(train, name)
+            if name != "zero_stage" and not _positive_int(node):
+                raise ConfigError(f"{key} must be a positive integer, got {node!r}; set train.{name} instead")
+            if node != mine or isinstance(node, bool):
+                raise ConfigError(
+                    f"{key}={node!r} disagrees with train.{name}={mine}: {why}, so DeepSpeed must use the same "
+                    f"value; set train.{name}={node!r} and drop {key}"
+                )
+    total = overrides.get("train_batch_size")
+    if total is not None and not _positive_int(total):
+        raise ConfigError(f"deepspeed.train_batch_size must be a positive integer, got {total!r}; or drop it "
+                          f"(it is train.micro_batch x train.grad_accum x the number of ranks)")  # fmt: skip
+    clip = overrides.get("gradient_clipping")
+    if clip is not None and (isinstance(clip, bool) or not isinstance(clip, (int, float)) or not clip >= 0
+                             or not math.isfinite(clip)):  # fmt: skip
+        raise ConfigError(
+            f"deepspeed.gradient_clipping must be a finite number >= 0 (0 turns clipping off), got {clip!r}"
+        )
+
+
+def _refuse_unsafe_loading(cfg: dict) -> None:
+    """``ConfigError`` for ``checkpoint.load_universal``: DeepSpeed's universal-checkpoint loader reads the
+    files under ``<tag>/zero/`` with ``torch.load(weights_only=False)`` itself, bypassing the checkpoint
+    engine :class:`train.checkpoint.SafeCheckpointEngine` replaces, so a crafted file there would run code."""
+    section = cfg.get("checkpoint")
+    if isinstance(section, dict) and section.get("load_universal"):
+        raise ConfigError(
+            "deepspeed.checkpoint.load_universal is refused: DeepSpeed's universal-checkpoint loader unpickles the "
+            "files under <checkpoint>/zero/ with torch.load(weights_only=False), which runs any code a crafted file "
+            "holds, and the training scripts load checkpoints only through a weights_only=True loader. Drop the key "
+            "and resume from a checkpoint the scripts wrote (train.resume=auto), with the same number of ranks"
+        )
 
 
 def _check_deepspeed_keys(cfg: dict, overrides: dict, *, world: int) -> None:
@@ -153,26 +232,35 @@ def _check_deepspeed_keys(cfg: dict, overrides: dict, *, world: int) -> None:
     """
     from deepspeed.runtime.config import DeepSpeedConfig
 
-    seen: set[str] = set()
+    looked_up: dict[tuple[str, ...], set[str]] = {}
 
     class _Recording(dict):
+        """A mapping that records every key looked up in it (sub-mappings recorded under their path)."""
+
+        def __init__(self, data: dict, path: tuple[str, ...]) -> None:
+            super().__init__({k: _Recording(v, (*path, k)) if isinstance(v, dict) else v for k, v in data.items()})
+            self._path = path
+
+        def _seen(self, key):
+            looked_up.setdefault(self._path, set()).add(key)
+
         def __getitem__(self, key):
-            seen.add(key)
+            self._seen(key)
             return super().__getitem__(key)
 
         def get(self, key, default=None):
-            seen.add(key)
+            self._seen(key)
             return super().get(key, default)
 
         def __contains__(self, key):
-            seen.add(key)
+            self._seen(key)
             return super().__contains__(key)
 
         def __copy__(self):
             return self
 
     probe = DeepSpeedConfig.__new__(DeepSpeedConfig)
-    probe._param_dict, probe.global_rank, probe.world_size = _Recording(cfg), 0, world
+    probe._param_dict, probe.global_rank, probe.world_size = _Recording(cfg, ()), 0, world
     try:
         probe._initialize_params(probe._param_dict)
     except Exception as e:  # noqa: BLE001 - DeepSpeed's config models raise pydantic / assertion errors
@@ -180,7 +268,7 @@ def _check_deepspeed_keys(cfg: dict, overrides: dict, *, world: int) -> None:
             return  # not a schema error: DeepSpeed itself reports it when the engine starts
         lines = [ln.strip() for ln in str(e).splitlines() if ln.strip() and not ln.strip().startswith("For further")]
         raise ConfigError(f"deepspeed: {' | '.join(lines)}") from None
-    known = seen | _DEEPSPEED_READ_ELSEWHERE
+    known = looked_up.get((), set()) | _DEEPSPEED_READ_ELSEWHERE
     unknown = [k for k in overrides if k not in known]
     if unknown:
         k = unknown[0]
@@ -188,16 +276,42 @@ def _check_deepspeed_keys(cfg: dict, overrides: dict, *, world: int) -> None:
             f"deepspeed: unknown key {k!r}{_suggest(k, sorted(known))}; the installed DeepSpeed reads: "
             f"{', '.join(sorted(known))}"
         )
+    # a section DeepSpeed reads key by key (``checkpoint``, ``aio``, ...): a key it never looked up is ignored by
+    # it. Sections it hands whole to its config models (no key looked up) are checked by those models above.
+    for path, keys in sorted(looked_up.items()):
+        node: Any = overrides
+        for part in path:
+            node = node.get(part) if isinstance(node, dict) else None
+        if not path or not isinstance(node, dict):
+            continue
+        stray = [k for k in node if k not in keys]
+        if stray:
+            where = "deepspeed." + ".".join(path)
+            raise ConfigError(
+                f"{where}: unknown key {stray[0]!r}{_suggest(stray[0], sorted(keys))}; the installed DeepSpeed "
+                f"reads there: {', '.join(sorted(keys))}"
+            )
 
 
 def check_out_dir(out_dir: str | Path) -> Path:
-    """``out_dir`` as a Path; ``ConfigError`` when it, or a folder above it, exists as a file."""
+    """``out_dir`` as a Path; ``ConfigError`` when it, or a folder above it, exists as a file, or when the nearest
+    existing folder of the path cannot hold new entries (checked by creating and removing a temporary folder in
+    it: a read-only disk, a folder without write permission, a kernel file system such as ``/proc``)."""
     out = Path(out_dir)
     for p in (out, *out.parents):
         if p.exists():
             if not p.is_dir():
                 what = "is a file" if p == out else f"lies under {p}, which is a file"
                 raise ConfigError(f"train.out_dir={str(out)!r} {what}; choose a directory path")
+            try:
+                os.rmdir(tempfile.mkdtemp(prefix=".vlpe-write-check-", dir=p))
+            except OSError as e:
+                reason = os.strerror(e.errno) if e.errno else str(e)
+                hint = " (the disk is full)" if e.errno in (errno.ENOSPC, errno.EDQUOT) else ""
+                raise ConfigError(
+                    f"train.out_dir={str(out)!r} cannot be written: creating a folder in {p} failed with "
+                    f"'{reason}'{hint}; choose a directory on a writable disk"
+                ) from None
             break
     return out
 
