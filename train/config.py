@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import os
 import re
 import types
 import typing
@@ -101,6 +102,39 @@ def to_dict(cfg: Any) -> dict:
     return dataclasses.asdict(cfg)
 
 
+def _yaml_problem(e: yaml.YAMLError) -> str:
+    """One line saying why the YAML safe loader refused a text: its own problem and position, and for a
+    ``!!python/...`` (or other unknown) tag that configs hold plain values only."""
+    problem = getattr(e, "problem", None) or str(e).splitlines()[0]
+    mark = getattr(e, "problem_mark", None)
+    where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+    text = " ".join(f"{problem}{where}".split())
+    if isinstance(e, yaml.constructor.ConstructorError) and "tag" in text:
+        text += ("; configs hold plain values only (numbers, strings, lists, mappings): the safe loader never "
+                 "builds Python objects from !!python tags, remove the tag")  # fmt: skip
+    return text
+
+
+def _safe_yaml(text: str, *, what: str) -> Any:
+    """``yaml.safe_load(text)``; ``ConfigError`` naming ``what`` (a file, an override) when it is not valid YAML."""
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{what} is not valid YAML: {_yaml_problem(e)}") from None
+
+
+def _read_text(path: Path, *, what: str) -> str:
+    try:
+        return path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise ConfigError(
+            f"{what} {str(path)!r} is not a text file (byte {e.start} is not UTF-8: is it a binary file?); "
+            f"give a YAML or JSON file"
+        ) from None
+    except OSError as e:
+        raise ConfigError(f"{what} {str(path)!r} cannot be read: {os.strerror(e.errno) if e.errno else e}") from None
+
+
 def parse_overrides(items: Sequence[str]) -> dict:
     """``["train.steps=10", "model.encoding=rope"]`` -> nested dict (values parsed as YAML scalars)."""
     out: dict = {}
@@ -108,7 +142,7 @@ def parse_overrides(items: Sequence[str]) -> dict:
         if "=" not in item:
             raise ConfigError(f"override {item!r} must look like section.key=value")
         key, raw = item.split("=", 1)
-        value = yaml.safe_load(raw) if raw != "" else ""
+        value = _safe_yaml(raw, what=f"the value of override {item!r}") if raw != "" else ""
         node = out
         parts = key.strip().split(".")
         for p in parts[:-1]:
@@ -135,8 +169,7 @@ def _read(path: Path, seen: tuple[Path, ...] = ()) -> dict:
         raise ConfigError(f"config file {str(path)!r} does not exist")
     if path.resolve() in seen:
         raise ConfigError(f"config inheritance loops through {path}")
-    with path.open() as f:
-        data = yaml.safe_load(f) or {}
+    data = _safe_yaml(_read_text(path, what="config file"), what=f"config file {str(path)!r}") or {}
     if not isinstance(data, dict):
         raise ConfigError(f"{path}: the top level must be a mapping of sections")
     inherit = data.pop("inherit", None)
@@ -151,10 +184,11 @@ def read_mapping(path: str | Path, *, what: str) -> dict:
     path = Path(path)
     if not path.is_file():
         raise ConfigError(f"{what} {str(path)!r} does not exist; give the path of a JSON or YAML file")
+    text = _read_text(path, what=what)
     try:
-        data = yaml.safe_load(path.read_text())  # JSON is YAML: DeepSpeed's JSON files read as they are
+        data = yaml.safe_load(text)  # JSON is YAML: DeepSpeed's JSON files read as they are
     except yaml.YAMLError as e:
-        raise ConfigError(f"{what} {str(path)!r} is not valid JSON or YAML: {e}") from None
+        raise ConfigError(f"{what} {str(path)!r} is not valid JSON or YAML: {_yaml_problem(e)}") from None
     if not isinstance(data, dict):
         kind = type(data).__name__
         raise ConfigError(f"{what} {str(path)!r} must hold a mapping of keys at the top level, got {kind}")
