@@ -15,8 +15,12 @@ rank, every file a readable archive), so a damaged newest checkpoint can be skip
 
 from __future__ import annotations
 
+import errno
 import json
+import math
+import os
 import pickle
+import shutil
 import re
 import zipfile
 from pathlib import Path
@@ -34,6 +38,9 @@ __all__ = [
     "complete_tags",
     "checkpoint_problem",
     "save_rng",
+    "is_disk_full",
+    "disk_full_message",
+    "check_loaded_objects",
     "load_rng",
     "safe_load",
     "SafeCheckpointEngine",
@@ -52,6 +59,43 @@ _TAG = re.compile(r"^step_(\d{8})$")
 
 class CheckpointError(ValueError):
     """A checkpoint that cannot or must not be loaded; the message names the file and what to do."""
+
+
+_DISK_FULL_TEXT = ("file write failed", "No space left on device", "Disk quota exceeded", "inline_container.cc")
+
+
+def is_disk_full(error: BaseException) -> bool:
+    """Whether ``error`` is a write that failed for want of space: ``OSError`` ENOSPC / EDQUOT, or torch's
+    ``RuntimeError`` from its archive writer (``[enforce fail at inline_container.cc:...] ... file write failed``),
+    which carries no errno."""
+    if isinstance(error, OSError):
+        return error.errno in (errno.ENOSPC, errno.EDQUOT)
+    return isinstance(error, RuntimeError) and any(t in str(error) for t in _DISK_FULL_TEXT)
+
+
+def _mount_of(path: Path) -> Path:
+    p = Path(os.path.abspath(path))
+    while not p.exists() and p != p.parent:
+        p = p.parent
+    while not os.path.ismount(p) and p != p.parent:
+        p = p.parent
+    return p
+
+
+def disk_full_message(path: str | Path, *, action: str) -> str:
+    """``"writing <path> failed: the disk mounted at <mount> is full (<free> MiB free of <total> MiB) ..."``: the
+    path, the mount point that holds it and its free space (``shutil.disk_usage``), and what to do."""
+    path = Path(path)
+    mount = _mount_of(path)
+    try:
+        usage = shutil.disk_usage(mount)
+        space = f" ({usage.free / 2**20:.0f} MiB free of {usage.total / 2**20:.0f} MiB)"
+    except OSError:
+        space = ""
+    return (
+        f"{action} {path} failed: the disk mounted at {mount} is full{space}. Free space on it or set "
+        f"train.out_dir to a folder on another disk"
+    )
 
 
 def tag_for(step: int) -> str:
@@ -84,7 +128,10 @@ def checkpoint_problem(path: str | Path, *, world: int) -> str | None:
     """Why the checkpoint directory ``path`` cannot be resumed by ``world`` ranks, or None when it looks whole.
 
     Cheap (no tensor is read): the ``COMPLETE`` marker, a model-states file, ``rng_rank{r}.pt`` for every
-    rank, and every ``.pt`` file a torch archive whose index is readable (a truncated file has none).
+    rank, and every file under ``path``, sub-folders included: a link is refused (it could point anywhere), a
+    ``.pt`` file (or any other torch archive) must have a readable index (a truncated file has none), and no
+    archive may name a Python global outside what :func:`safe_load` admits (read from its pickle opcodes by
+    ``torch.serialization.get_unsafe_globals_in_checkpoint``, nothing in it runs).
     """
     path = Path(path)
     if not (path / MARKER).is_file():
@@ -94,12 +141,26 @@ def checkpoint_problem(path: str | Path, *, world: int) -> str | None:
     for r in range(world):
         if not (path / f"rng_rank{r}.pt").is_file():
             return f"{path} lacks rng_rank{r}.pt (the RNG state of rank {r}; was it written by fewer ranks?)"
-    for f in sorted(path.glob("*.pt")):
+    allowed = {f"{g.__module__}.{g.__qualname__}" for g in _allowed_globals()}
+    for f in sorted(path.rglob("*")):
+        name = f.relative_to(path).as_posix()
+        if f.is_symlink():
+            return f"{name} in {path} is a link, which the checkpoints this harness writes never hold"
+        if f.is_dir():
+            continue
+        if f.suffix != ".pt" and not zipfile.is_zipfile(f):
+            continue
         try:
             with zipfile.ZipFile(f) as z:
                 z.namelist()
-        except (zipfile.BadZipFile, OSError) as e:
-            return f"{f.name} in {path} is truncated or damaged ({e})"
+            unsafe = sorted(set(torch.serialization.get_unsafe_globals_in_checkpoint(str(f))) - allowed)
+        except Exception as e:  # noqa: BLE001 - zipfile / torch raise several kinds for a damaged archive
+            return f"{name} in {path} is truncated or damaged ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})"
+        if unsafe:
+            return (
+                f"{name} in {path} holds pickled objects ({', '.join(unsafe[:4])}) that this harness's checkpoints "
+                f"never contain; unpickling them could run arbitrary code, so the checkpoint is not loaded"
+            )
     return None
 
 
@@ -160,29 +221,129 @@ def _allowed_globals() -> list:
     return allowed
 
 
+_UNSUPPORTED_GLOBAL = re.compile(r"unsupported\s+(?:global:?\s*)?GLOBAL\s+([\w.]+)", re.IGNORECASE)
+
+
+def _torch_detail(detail: str) -> str:
+    """torch's reason for refusing a file, without its advice to re-run ``torch.load`` with ``weights_only=False``
+    (which would run whatever the file holds): the lines that do not mention ``weights_only``, in one line."""
+    kept = [ln.strip() for ln in detail.splitlines() if ln.strip() and "weights_only" not in ln.lower()
+            and "weights only" not in ln.lower()]  # fmt: skip
+    return " ".join(kept)[:300] or "it needs objects the weights_only loader does not build"
+
+
 def safe_load(path: str | Path, map_location: Any = None) -> Any:
-    """``torch.load(path, weights_only=True)`` with DeepSpeed's plain-data classes allowed.
+    """``torch.load(path, weights_only=True)`` with DeepSpeed's plain-data classes allowed, and every loaded
+    instance of those classes checked against a freshly built one (:func:`check_loaded_objects`).
 
     A file that needs any other object to unpickle is refused (nothing in it runs); an unreadable file
-    (truncated, damaged) is reported. Both raise :class:`CheckpointError` naming the file.
+    (truncated, damaged) is reported. Both raise :class:`CheckpointError` naming the file; no message advises
+    loading with ``weights_only=False``.
     """
     try:
         with torch.serialization.safe_globals(_allowed_globals()):
-            return torch.load(path, map_location=map_location, weights_only=True)
+            loaded = torch.load(path, map_location=map_location, weights_only=True)
     except pickle.UnpicklingError as e:
         detail = str(e)
-        if "Unsupported" in detail or "WeightsUnpickler" in detail:
-            found = re.search(r"Unsupported global: GLOBAL ([\w.]+)", detail)
-            what = f" ({found.group(1)})" if found else ""
+        found = _UNSUPPORTED_GLOBAL.search(detail)
+        if found or "weights only load failed" in detail.lower() or "WeightsUnpickler" in detail:
+            what = f" ({found.group(1)})" if found else f" ({_torch_detail(detail)})"
             raise CheckpointError(
                 f"refusing to load {path}: it holds a pickled object{what} that vlpe's checkpoints never contain, "
-                f"and unpickling it could run arbitrary code; vlpe reads checkpoints with weights_only=True. "
+                f"and unpickling it could run arbitrary code; vlpe reads checkpoints with weights_only=True only. "
                 f"Resume from a checkpoint this harness wrote, or delete this one"
             ) from None
-        raise CheckpointError(f"cannot read {path}: {detail.splitlines()[0] if detail else e!r}") from None
+        raise CheckpointError(f"cannot read {path}: {_torch_detail(detail)}") from None
     except (RuntimeError, EOFError, OSError, ValueError) as e:
-        first = str(e).splitlines()[0] if str(e) else repr(e)
-        raise CheckpointError(f"cannot read {path}, it is truncated or damaged: {first}") from None
+        raise CheckpointError(f"cannot read {path}, it is truncated or damaged: {_torch_detail(str(e) or repr(e))}") from None
+    check_loaded_objects(loaded, where=str(path))
+    return loaded
+
+
+def _reference_instances() -> dict[type, Any]:
+    """One default-built instance of each allowed class that unpickles by filling its ``__dict__``: what a
+    loaded instance is checked against (its fields and their types follow the installed DeepSpeed)."""
+    refs: dict[type, Any] = {}
+    try:
+        from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
+
+        refs[LossScaler] = LossScaler()
+        refs[DynamicLossScaler] = DynamicLossScaler(2.0**16, 1000, 1, 2, False)
+    except ImportError:
+        pass
+    try:
+        from deepspeed.utils.tensor_fragment import fragment_address
+
+        refs[fragment_address] = fragment_address(numel=0, start=0)
+    except ImportError:
+        pass
+    return refs
+
+
+#: fields of a loss scaler that must be > 0 (a scale of 0, a negative or a non-finite one corrupts every step)
+_POSITIVE = frozenset({"cur_scale", "min_scale", "scale_factor", "scale_window"})
+#: fields that must be >= 0
+_NON_NEGATIVE = frozenset({"numel", "start", "cur_iter", "delayed_shift", "cur_hysteresis"})
+_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+def _field_problem(name: str, value: Any, ref: Any) -> str | None:
+    if isinstance(ref, bool):
+        return None if isinstance(value, bool) else "expected true/false"
+    if isinstance(ref, (int, float)):
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            return f"expected a number like {ref!r}"
+        if isinstance(ref, int) and not isinstance(ref, bool) and isinstance(value, float) and name in _NON_NEGATIVE:
+            return "expected an integer"
+        if not math.isfinite(value):
+            return "expected a finite number"
+        if name in _POSITIVE and value <= 0:
+            return "expected a number > 0"
+        if name in _NON_NEGATIVE and value < 0:
+            return "expected a number >= 0"
+        return None
+    if isinstance(ref, torch.dtype):
+        return None if value in _DTYPES else f"expected one of {[str(d) for d in _DTYPES]}"
+    if ref is None:
+        return None if value is None or (isinstance(value, (int, float)) and not isinstance(value, bool)
+                                         and math.isfinite(value)) else "expected null or a number"  # fmt: skip
+    return None if type(value) is type(ref) else f"expected {type(ref).__name__}"
+
+
+def check_loaded_objects(obj: Any, *, where: str) -> None:
+    """:class:`CheckpointError` when an instance of an allowed class inside ``obj`` (a loaded checkpoint: dicts,
+    lists, tuples of plain values) differs from a default-built one of its class (:func:`_reference_instances`):
+    a field the class never sets (e.g. a method replaced by another allowed callable), or a value of the wrong
+    type or out of range (a loss scale of NaN, 0 or below)."""
+    refs = _reference_instances()
+    stack, seen = [obj], set()
+    while stack:
+        item = stack.pop()
+        if id(item) in seen or isinstance(item, (torch.Tensor, str, bytes, int, float, type(None))):
+            continue
+        seen.add(id(item))
+        if isinstance(item, dict):
+            stack.extend(item.keys())
+            stack.extend(item.values())
+        elif isinstance(item, (list, tuple, set, frozenset)):
+            stack.extend(item)
+        elif type(item) in refs:
+            ref = vars(refs[type(item)])
+            fields = vars(item)
+            cls = type(item).__name__
+            stray = sorted(set(fields) - set(ref))
+            if stray:
+                raise CheckpointError(
+                    f"refusing to load {where}: its {cls} carries field(s) {stray} that {cls} never sets (expected "
+                    f"only {sorted(ref)}); the file was altered. Resume from a checkpoint this harness wrote"
+                )
+            for name, value in fields.items():
+                problem = _field_problem(name, value, ref[name])
+                if problem:
+                    raise CheckpointError(
+                        f"refusing to load {where}: its {cls}.{name}={value!r} is invalid ({problem}); the file was "
+                        f"altered or the run diverged. Resume from an earlier checkpoint"
+                    )
 
 
 class SafeCheckpointEngine:
@@ -205,11 +366,22 @@ class SafeCheckpointEngine:
 # --------------------------------------------------------------------------- what the model is
 _NOT_MODEL = ("data", "train", "deepspeed")
 
+#: per script, the ``data:`` keys that shape the model's weights: ``train/vit.py::build_model`` builds the ViT with
+#: ``img_size=data.img_size`` (the patch grid: the size of absolute position tables) and
+#: ``in_chans=data.channels`` (the patch embedding's input channels)
+WEIGHTS_DEPEND_ON = {"vit": ("img_size", "channels")}
+
 
 def model_signature(run_config: dict) -> dict:
     """What defines a run's model: every section of its config but data/train/deepspeed (the ``model``
-    section, the script, and what the script records, e.g. ``num_classes``), as plain JSON values."""
-    return json.loads(json.dumps({k: v for k, v in run_config.items() if k not in _NOT_MODEL}, sort_keys=True))
+    section, the script, and what the script records, e.g. ``num_classes``), plus the ``data:`` keys its weights
+    depend on (:data:`WEIGHTS_DEPEND_ON`), as plain JSON values. A signature given back is returned as it is."""
+    out = {k: v for k, v in run_config.items() if k not in _NOT_MODEL}
+    data = run_config.get("data")
+    keys = WEIGHTS_DEPEND_ON.get(run_config.get("script"), ())  # type: ignore[arg-type]
+    if isinstance(data, dict) and keys:
+        out["data"] = {k: data.get(k) for k in keys}
+    return json.loads(json.dumps(out, sort_keys=True))
 
 
 def _flat(d: Any, prefix: str = "") -> dict[str, Any]:
@@ -228,6 +400,8 @@ def _flat(d: Any, prefix: str = "") -> dict[str, Any]:
 def signature_differences(recorded: dict, now: dict) -> list[str]:
     """``["model.encoding: 'rope' (recorded) vs 'lookhere' (now)", ...]`` for every key that differs."""
     a, b = _flat(model_signature(recorded)), _flat(model_signature(now))
+    if "data" not in model_signature(recorded):  # recorded before the data keys were: not comparable
+        b = {k: v for k, v in b.items() if not k.startswith("data.")}
     missing = object()
     return [
         f"{k}: {a.get(k, '<absent>')!r} (recorded) vs {b.get(k, '<absent>')!r} (now)"
