@@ -326,7 +326,18 @@ def _resume_checkpoint(train: TrainSection, ckpt_dir: Path, *, world: int, rank:
         recorded = path / SIGNATURE
         if recorded.is_file():
             fix = "resume with the recorded model settings, or start a new run (another train.out_dir)"
-            check_signature(json.loads(recorded.read_text()), signature, where=f"checkpoint {path}", fix=fix)
+            try:
+                saved = json.loads(recorded.read_text())
+            except (ValueError, OSError) as e:
+                raise CheckpointError(
+                    f"cannot read the model signature {recorded}: {e}; restore it or resume from another checkpoint"
+                ) from None
+            if not isinstance(saved, dict):
+                raise CheckpointError(
+                    f"{recorded} must hold a JSON mapping (the run's model signature), got {type(saved).__name__}; "
+                    f"restore it or resume from another checkpoint"
+                )
+            check_signature(saved, signature, where=f"checkpoint {path}", fix=fix)
         elif rank == 0:
             warnings.warn(f"{path} records no model signature ({SIGNATURE}); the model is not checked", stacklevel=2)
         step = step_of(path.name)
@@ -344,7 +355,10 @@ def _resume_checkpoint(train: TrainSection, ckpt_dir: Path, *, world: int, rank:
 
 
 def _truncate_metrics(path: Path, step: int) -> None:
-    """Keep the records of ``path`` (JSON lines) up to ``step``: a resumed run logs the later steps again."""
+    """Keep the records of ``path`` (JSON lines) up to ``step``: a resumed run logs the later steps again. A full
+    disk is a :class:`CheckpointError` naming the file and the disk (``path`` is left as it was)."""
+    from .checkpoint import disk_full_message, is_disk_full
+
     if not path.is_file():
         return
     kept = []
@@ -356,22 +370,51 @@ def _truncate_metrics(path: Path, step: int) -> None:
         if isinstance(rec, dict) and isinstance(rec.get("step"), int) and rec["step"] <= step:
             kept.append(line)
     tmp = path.with_suffix(".tmp")
-    tmp.write_text("".join(f"{line}\n" for line in kept))
-    tmp.replace(path)
+    try:
+        tmp.write_text("".join(f"{line}\n" for line in kept))
+        tmp.replace(path)
+    except OSError as e:
+        tmp.unlink(missing_ok=True)
+        if is_disk_full(e):
+            raise CheckpointError(
+                disk_full_message(tmp, action=f"cutting {path.name} back to step {step} for the resume, writing")
+            ) from None
+        raise
 
 
 def save_checkpoint(engine, ckpt_dir: Path, step: int, rank: int, *, keep: int, signature: dict | None = None) -> None:
-    """DeepSpeed checkpoint + RNG per rank (+ the model signature), then ``COMPLETE`` once every rank is done."""
+    """DeepSpeed checkpoint + RNG per rank (+ the model signature), then ``COMPLETE`` once every rank is done.
+
+    A write that fails for want of space (``OSError`` ENOSPC, or torch's ``inline_container.cc`` write error,
+    :func:`train.checkpoint.is_disk_full`) is a :class:`CheckpointError` naming the checkpoint and the disk; the
+    half-written checkpoint has no ``COMPLETE`` marker, so a resume never picks it."""
     import shutil
 
+    from .checkpoint import disk_full_message, is_disk_full
+
     tag = tag_for(step)
-    engine.save_checkpoint(str(ckpt_dir), tag=tag, client_state={"step": step}, save_latest=False)
-    save_rng(ckpt_dir / tag / f"rng_rank{rank}.pt")
+
+    def disk_full(e: BaseException) -> CheckpointError:
+        return CheckpointError(disk_full_message(ckpt_dir / tag, action=f"writing the step-{step} checkpoint"))
+
+    try:
+        engine.save_checkpoint(str(ckpt_dir), tag=tag, client_state={"step": step}, save_latest=False)
+        save_rng(ckpt_dir / tag / f"rng_rank{rank}.pt")
+    except (OSError, RuntimeError) as e:
+        if is_disk_full(e):
+            raise disk_full(e) from None
+        raise
     dist.barrier()
     if rank == 0:
-        if signature is not None:
-            (ckpt_dir / tag / SIGNATURE).write_text(json.dumps(signature, sort_keys=True, indent=1))
-        (ckpt_dir / tag / MARKER).write_text(str(step))
+        try:
+            if signature is not None:
+                (ckpt_dir / tag / SIGNATURE).write_text(json.dumps(signature, sort_keys=True, indent=1))
+            (ckpt_dir / tag / MARKER).write_text(str(step))
+        except OSError as e:
+            (ckpt_dir / tag / MARKER).unlink(missing_ok=True)  # a marker cut short must not mark it complete
+            if is_disk_full(e):
+                raise disk_full(e) from None
+            raise
         done = sorted((p for p in ckpt_dir.iterdir() if (p / MARKER).is_file()), key=lambda p: step_of(p.name))
         for old in done[:-keep] if keep > 0 else []:
             shutil.rmtree(old, ignore_errors=True)
