@@ -158,8 +158,8 @@ def checkpoint_problem(path: str | Path, *, world: int) -> str | None:
             return f"{name} in {path} is truncated or damaged ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})"
         if unsafe:
             return (
-                f"{name} in {path} holds pickled objects ({', '.join(unsafe[:4])}) that this harness's checkpoints "
-                f"never contain; unpickling them could run arbitrary code, so the checkpoint is not loaded"
+                f"refusing to load {name} in {path}: it holds pickled objects ({', '.join(unsafe[:4])}) that this "
+                f"harness's checkpoints never contain, and unpickling them could run arbitrary code"
             )
     return None
 

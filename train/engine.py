@@ -349,7 +349,8 @@ def _resume_checkpoint(train: TrainSection, ckpt_dir: Path, *, world: int, rank:
         return path
     if candidates:
         raise CheckpointError(
-            f"every complete checkpoint under {ckpt_dir} is damaged (see the warnings); delete them to start over"
+            f"no complete checkpoint under {ckpt_dir} can be resumed: each is damaged or holds objects that are "
+            f"refused (the warnings above say which file); delete them to start over"
         )
     return None
 
