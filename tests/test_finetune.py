@@ -227,3 +227,19 @@ def test_the_resume_record_follows_the_folder_and_the_data(vniah_set, tmp_path_f
     cfg["text_config"]["rms_norm_eps"] = 1e-5
     (copy / "config.json").write_text(json.dumps(cfg))
     assert record(copy)["hf_fingerprint"] != b["hf_fingerprint"]
+
+
+def test_optimizer_groups_read_zero3_shapes_and_drop_empty_groups():
+    from torch import nn
+
+    from train.engine import param_groups
+
+    m = nn.Sequential(nn.Linear(3, 4), nn.LayerNorm(4))
+    assert [len(g["params"]) for g in param_groups(m, 0.05)] == [1, 3]  # the weight matrix decays
+    w = m[0].weight
+    w.data = torch.empty(0)  # what a ZeRO-3 partition leaves on a rank, the full shape in ds_shape
+    w.ds_shape = torch.Size([4, 3])
+    groups = param_groups(m, 0.05)
+    assert groups[0]["params"] == [w] and groups[0]["weight_decay"] == 0.05
+    m[0].weight.requires_grad_(False)  # nothing left to decay: no empty group (DeepSpeed would drop it)
+    assert [g["weight_decay"] for g in param_groups(m, 0.05)] == [0.0]

@@ -29,6 +29,8 @@ def _yaml_scalar(v) -> str:
         return "true" if v else "false"
     if isinstance(v, dict) and not v:
         return "{}"
+    if isinstance(v, list):  # flow style: [a, b]
+        return "[" + ", ".join(_yaml_scalar(x) for x in v) + "]"
     return str(v)
 
 

@@ -90,11 +90,13 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
     for name, p in model.named_parameters():
         if not p.requires_grad:
             continue
-        if p.ndim < 2 or name in skip or any(s in name for s in ("pos_embed", "cls_token", "reg_token")):
+        ndim = len(getattr(p, "ds_shape", p.shape))  # a ZeRO-3 partitioned parameter keeps its shape in ds_shape
+        if ndim < 2 or name in skip or any(s in name for s in ("pos_embed", "cls_token", "reg_token")):
             no_decay.append(p)
         else:
             decay.append(p)
-    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    return [g for g in groups if g["params"]]  # DeepSpeed drops empty groups; the schedule must see the same ones
 
 
 def cosine_schedule(train: TrainSection) -> Callable[[int], float]:

@@ -182,7 +182,7 @@ def _lora(model, lora, *, zero_stage: int):
                         target_modules=rf".*language_model.*\.({names})")  # fmt: skip
     peft_model = get_peft_model(model, config)
     inner = peft_model.base_model.model  # the Qwen model, its linear layers now LoRA layers
-    inner._vlpe_peft = peft_model  # noqa: SLF001 - kept for export (merge or save the adapter)
+    inner.__dict__["_vlpe_peft"] = peft_model  # kept for export, outside the module tree (peft_model holds inner)
     return inner
 
 
