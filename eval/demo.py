@@ -254,7 +254,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--vlm-override", nargs="*", default=[], metavar="KEY=VALUE", help="extra VLM config overrides")
     p.add_argument("--no-vlm", action="store_true", help="skip the VLM (training and V-NIAH)")
     p.add_argument("--finetune-steps", type=int, default=300, help="fine-tuning steps of the tiny Qwen2-VL (batch 8)")
-    p.add_argument("--finetune-variant", default="mrope_i", help="the position encoding the Qwen2-VL is fine-tuned with")
+    p.add_argument("--finetune-variant", default="mrope_i", help="the variant the Qwen2-VL is fine-tuned with")
     p.add_argument("--no-finetune", action="store_true", help="skip fine-tuning the Qwen2-VL folder")
     p.add_argument("--no-properties", action="store_true", help="skip eval/properties.py")
     p.add_argument("--fresh", action="store_true", help="retrain and re-evaluate everything")

@@ -62,7 +62,8 @@ def tiny_tokenizer(texts: Iterable[str]):
 
 def save_tiny_qwen_vl(family: str, folder: str | Path, *, texts: Iterable[str] = (), frame: int = 28,
                       max_frame: int | None = None, seed: int = 0, chat_template: bool = True,
-                      initializer_range: float = 0.2) -> Path:  # fmt: skip
+                      initializer_range: float = 0.2, layers: int = 1, vision_width: int = 16,
+                      vision_depth: int = 1) -> Path:  # fmt: skip
     """Save a random ``family`` model (see the module docstring) and its processor to ``folder``; returns it.
 
     Args:
@@ -71,6 +72,8 @@ def save_tiny_qwen_vl(family: str, folder: str | Path, *, texts: Iterable[str] =
         frame, max_frame: the processors' pixel budget: frames are resized to between ``frame**2`` and
             ``max_frame**2`` pixels (``max_frame`` defaults to ``frame``); 28 px = one 2x2 merge of 14 px patches.
         chat_template: give the processor the Qwen-style chat template (False: a processor without one).
+        layers, vision_width, vision_depth: decoder layers, vision tower width and blocks (the defaults: the
+            smallest model; a learnable task wants a wider tower, e.g. ``vision_width=64, vision_depth=2``).
     """
     import torch
     import transformers as tf
@@ -84,30 +87,36 @@ def save_tiny_qwen_vl(family: str, folder: str | Path, *, texts: Iterable[str] =
     ids = {t: tok.convert_tokens_to_ids(t) for t in SPECIAL_TOKENS}
     special = dict(image_token_id=ids["<|image_pad|>"], video_token_id=ids["<|video_pad|>"],
                    vision_start_token_id=ids["<|vision_start|>"], vision_end_token_id=ids["<|vision_end|>"])  # fmt: skip
-    text = dict(hidden_size=128, intermediate_size=128, num_hidden_layers=1, num_attention_heads=8,
+    text = dict(hidden_size=128, intermediate_size=128, num_hidden_layers=layers, num_attention_heads=8,
                 num_key_value_heads=4, vocab_size=len(tok), eos_token_id=tok.eos_token_id,
                 pad_token_id=tok.pad_token_id, bos_token_id=None, initializer_range=initializer_range)  # fmt: skip
-    vision = dict(depth=1, patch_size=14, spatial_merge_size=2, temporal_patch_size=2)
+    vision = dict(depth=vision_depth, patch_size=14, spatial_merge_size=2, temporal_patch_size=2)
+    vh = max(2, vision_width // 16)  # vision heads (of 16 channels from a width of 32 on)
     rope = {"rope_type": "default", "mrope_section": [2, 3, 3], "rope_theta": 1e4}  # head_dim 16: 8 pairs
     torch.manual_seed(seed)
     if family == "qwen2_vl":
         cfg = tf.Qwen2VLConfig(text_config=dict(text, rope_parameters=rope),
-                               vision_config=dict(vision, embed_dim=16, hidden_size=128, num_heads=2), **special)
+                               vision_config=dict(vision, embed_dim=vision_width, hidden_size=128, num_heads=vh),
+                               **special)  # fmt: skip
         model = tf.Qwen2VLForConditionalGeneration(cfg)
         procs = tf.Qwen2VLImageProcessor(**pixels), tf.Qwen2VLVideoProcessor(**pixels), tf.Qwen2VLProcessor
     elif family == "qwen2_5_vl":
         cfg = tf.Qwen2_5_VLConfig(
             text_config=dict(text, rope_parameters=rope),
-            vision_config=dict(vision, hidden_size=16, intermediate_size=16, num_heads=2, out_hidden_size=128,
-                               window_size=28, fullatt_block_indexes=[0], tokens_per_second=2), **special)  # fmt: skip
+            vision_config=dict(vision, hidden_size=vision_width, intermediate_size=vision_width, num_heads=vh,
+                               out_hidden_size=128, window_size=28, fullatt_block_indexes=[0], tokens_per_second=2),
+            **special,
+        )  # fmt: skip
         model = tf.Qwen2_5_VLForConditionalGeneration(cfg)
         procs = tf.Qwen2VLImageProcessor(**pixels), tf.Qwen2VLVideoProcessor(**pixels), tf.Qwen2_5_VLProcessor
     else:
         cfg = tf.Qwen3VLConfig(
             text_config=dict(text, head_dim=16, rope_parameters={**rope, "mrope_section": [4, 2, 2],
                                                                  "mrope_interleaved": True}),
-            vision_config=dict(vision, hidden_size=16, intermediate_size=16, num_heads=2, out_hidden_size=128,
-                               num_position_embeddings=16, deepstack_visual_indexes=[0], patch_size=14), **special,
+            vision_config=dict(vision, hidden_size=vision_width, intermediate_size=vision_width, num_heads=vh,
+                               out_hidden_size=128, num_position_embeddings=16, deepstack_visual_indexes=[0],
+                               patch_size=14),
+            **special,
         )  # fmt: skip
         model = tf.Qwen3VLForConditionalGeneration(cfg)
         size = {"shortest_edge": frame * frame, "longest_edge": hi * hi}

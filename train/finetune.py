@@ -211,7 +211,7 @@ class CausalLM(nn.Module):
             seg, n = self._segments(batch, where)  # (B, S - 1) the sample of every predicted position
             wrong = (logits.argmax(-1) != gold).long()
             bad = torch.zeros(n, dtype=torch.long, device=where.device).index_add_(0, seg[where], wrong)
-            has = torch.zeros(n, dtype=torch.long, device=where.device).index_add_(0, seg[where], torch.ones_like(wrong))
+            has = torch.zeros_like(bad).index_add_(0, seg[where], torch.ones_like(wrong))
             has = has > 0
         return {"loss": loss, "correct": (has & (bad == 0)).sum(), "scored": has.sum()}
 

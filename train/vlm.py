@@ -158,7 +158,7 @@ def check_mode(cfg: "VLMConfig") -> None:
                 if hf:
                     raise ConfigError(
                         f"{section}.{key} applies to the small VLM; with model.hf_model the checkpoint folder defines "
-                        f"the model and data.annotations the data: remove it (a config of configs/hf/ sets none of them)"
+                        f"the model and data.annotations the data: remove it (the configs of configs/hf/ set none)"
                     )
                 raise ConfigError(
                     f"{section}.{key} applies to fine-tuning a checkpoint folder: set model.hf_model=DIR (see "
