@@ -144,17 +144,27 @@ def falls(out: Path) -> tuple[float, float]:
 @pytest.mark.parametrize("family,zero,packing,variant", [
     ("qwen2_vl", 2, True, "mrope_i"),
     ("qwen2_vl", 3, False, "videorope"),
+    ("qwen2_5_vl", 2, False, "v2pe"),
     ("qwen2_5_vl", 3, True, "vrope"),
     ("qwen3_vl", 2, False, "mhrope"),
+    ("qwen3_vl", 3, True, "hope_video"),
 ])  # fmt: skip
 def test_fine_tune_on_two_ranks_exports_a_stock_folder(family, zero, packing, variant, vniah_set, tmp_path_factory,
                                                        tmp_path):  # fmt: skip
     folder = tiny(family, tmp_path_factory)
     out = tmp_path / "run"
     steps = 12
-    run(command(family, folder, vniah_set, out, f"model.variant={variant}", f"train.zero_stage={zero}",
-                f"data.packing={str(packing).lower()}", f"train.steps={steps}", "train.val_every=12",
-                "train.ckpt_every=12", "train.freeze=[]"))  # fmt: skip
+    r = run(command(family, folder, vniah_set, out, f"model.variant={variant}", f"train.zero_stage={zero}",
+                    f"data.packing={str(packing).lower()}", f"train.steps={steps}", "train.val_every=12",
+                    "train.ckpt_every=12", "train.freeze=[]"))  # fmt: skip
+    if zero == 3:  # loaded straight into partitions: each of the 2 ranks holds about half of every parameter
+        import re
+
+        shares = re.findall(r"ZeRO-3 partitions hold ([\d,]+) of ([\d,]+)", r.stdout)
+        assert len(shares) == 2, r.stdout[-2000:]
+        for held, total in shares:
+            held, total = int(held.replace(",", "")), int(total.replace(",", ""))
+            assert 0.45 * total <= held <= 0.55 * total, (held, total)
     first, last = falls(out)
     assert last < first, (first, last)
     recs = metrics(out)
@@ -193,10 +203,14 @@ def test_kill_and_resume_equals_the_uninterrupted_run_and_changes_are_refused(vn
     steps = [x["step"] for x in metrics(killed) if x["split"] == "train"]
     assert steps == list(range(1, 9)), steps
 
-    # another variant, another data file: refused before training, naming both values
+    # another variant, another data file, another checkpoint folder: refused before training, naming both values
+    import shutil
+
+    moved = shutil.copytree(folder, tmp_path / "moved-qwen2_vl")
     for change, recorded, now in [
         (["model.variant=mrope"], "'videorope'", "'mrope'"),
         ([f"data.annotations={vniah_set['val']}"], Path(vniah_set["train"]).name, Path(vniah_set["val"]).name),
+        ([f"model.hf_model={moved}"], str(folder), str(moved)),
     ]:
         cmd = command("qwen2_vl", folder, vniah_set, killed, *common, "train.steps=9", "train.resume=auto", *change)
         r = subprocess.run([PY, *cmd[cmd.index("train/vlm.py"):]], cwd=ROOT, env=ENV, capture_output=True, text=True,
@@ -228,3 +242,24 @@ def test_lora_exports_merged_weights_and_the_export_evaluates(vniah_set, tmp_pat
              str(report), "--no-progress", "--device", "cpu"])  # fmt: skip
     saved = json.loads((report / "long_video.json").read_text())["runs"]
     assert [ev["variant"] for ev in saved] == ["mrope_i"], r.stdout[-1000:]
+
+
+@pytest.mark.slow
+def test_held_out_exact_match_is_well_above_chance(tmp_path):
+    """The CPU example of the README (the demo's run): a tiny Qwen2-VL with a wider vision tower, fine-tuned with
+    MRoPE-I on 256 needle videos for 300 steps on 2 ranks, answers the held-out needles well above chance (1/8)."""
+    from data.instruct import make_vniah_instruct
+    from data.vniah import PHOTO_NEEDLES, QUESTIONS
+    from models.tiny_qwen_vl import save_tiny_qwen_vl
+
+    data = make_vniah_instruct(tmp_path / "set", train=256, val=64, frames=8, frame_size=56)
+    folder = save_tiny_qwen_vl("qwen2_vl", tmp_path / "tiny", texts=[QUESTIONS["needle"], *PHOTO_NEEDLES.values()],
+                               frame=28, max_frame=56, layers=2, vision_width=64, vision_depth=2)  # fmt: skip
+    out = tmp_path / "run"
+    run(command("qwen2_vl", folder, data, out, "model.variant=mrope_i", "train.zero_stage=2", "train.steps=300",
+                "train.warmup_steps=20", "train.freeze=[]", "train.gradient_checkpointing=false",
+                "train.val_every=150", "train.val_batches=8", "train.ckpt_every=300", "train.log_every=10"))  # fmt: skip
+    val = [r for r in metrics(out) if r["split"] == "val"]
+    assert val[-1]["count"] == 64 and val[-1]["acc"] >= 3 / 8, val  # chance 1/8
+    first, last = falls(out)
+    assert last < 0.5 * first, (first, last)

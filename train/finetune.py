@@ -325,6 +325,10 @@ def main(cfg, raw: dict) -> None:
                                pad_token_id=pad, packing=d.packing, max_length=d.max_length, filler=filler)  # fmt: skip
     val_collate = InstructCollator(variant=patch.variant, family=family, spatial_merge_size=patch.spatial_merge_size,
                                    pad_token_id=pad, filler=filler)  # fmt: skip
+    if t.zero_stage == 3:  # loaded into partitions: this rank holds its share of every parameter
+        held = sum(p.ds_tensor.numel() if hasattr(p, "ds_tensor") else p.numel() for p in model.parameters())
+        total = sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters())
+        print(f"[train] rank {rank}: ZeRO-3 partitions hold {held:,} of {total:,} parameter elements", flush=True)
     if rank == 0 and counts is not None:
         print(f"[train] frozen {t.freeze}: {counts['trainable']:,} parameters trainable, {counts['frozen']:,} frozen",
               flush=True)  # fmt: skip

@@ -63,7 +63,9 @@ def write_video(
         stream.options = {"crf": str(int(crf))}
         stream.codec_context.time_base = tb
         for f, p in zip(frames, pts):
-            frame = av.VideoFrame.from_ndarray(np.ascontiguousarray(f), format="rgb24")
+            # converted here rather than by the encoder: its own RGB -> YUV conversion wrote slightly different
+            # pixels from run to run (up to 8 levels in some frames); a made data set must be the same file each time
+            frame = av.VideoFrame.from_ndarray(np.ascontiguousarray(f), format="rgb24").reformat(format=pix_fmt)
             frame.pts, frame.time_base = int(p), tb
             for packet in stream.encode(frame):
                 container.mux(packet)
