@@ -243,3 +243,26 @@ def test_optimizer_groups_read_zero3_shapes_and_drop_empty_groups():
     assert groups[0]["params"] == [w] and groups[0]["weight_decay"] == 0.05
     m[0].weight.requires_grad_(False)  # nothing left to decay: no empty group (DeepSpeed would drop it)
     assert [g["weight_decay"] for g in param_groups(m, 0.05)] == [0.0]
+
+
+@pytest.mark.parametrize("variant", ["mrope_i", "mhrope", "pype"])
+def test_activation_checkpointing_gives_the_same_gradients(variant, vniah_set, tmp_path_factory):
+    """The patch's hooks (per-head rotation, per-layer tables and masks) run again in the recomputed forward of a
+    checkpointed layer: the gradients equal those of the plain forward."""
+    from train.finetune import CausalLM
+
+    grads = []
+    for checkpointing in (False, True):
+        model, processor = loaded("qwen2_vl", tmp_path_factory, variant=variant)
+        model.train()
+        if checkpointing:
+            model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        batch = collator(model, processor, packing=True)(items_of(vniah_set, processor, "qwen2_vl", n=4))
+        calls = []
+        model.model.language_model.layers[0].self_attn.register_forward_hook(lambda *a: calls.append(1))
+        CausalLM(model=model)(batch)["loss"].backward()
+        assert len(calls) == (2 if checkpointing else 1)  # the checkpointed layer ran again in the backward
+        grads.append({n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None})
+    assert grads[0].keys() == grads[1].keys() and len(grads[0]) > 10
+    for n in grads[0]:
+        torch.testing.assert_close(grads[1][n], grads[0][n], rtol=1e-5, atol=1e-6, msg=n)

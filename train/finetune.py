@@ -152,7 +152,7 @@ def load_model(cfg, ds_config: dict | None):
         model = _lora(model, m.lora, zero_stage=t.zero_stage)
     counts = freeze(model, list(t.freeze)) if t.freeze else None
     if t.gradient_checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
         if m.lora.enabled or "llm" in t.freeze:
             model.enable_input_require_grads()  # checkpointed blocks need an input that requires grad
     try:
