@@ -5,8 +5,8 @@
     python eval/long_video.py --hf-model path/to/Qwen2-VL-2B-Instruct --variant mrope mrope_i --haystack my.mp4
     python eval/long_video.py --hf-model outputs/finetuned   # under the variant recorded in its config.json
 
-The protocol of LongVA's V-NIAH and VideoRoPE's V-NIAH-D (benchmarks-and-data.md A2, C3), on the small frames of
-:mod:`data.vniah`: for every video length ``L`` (frames) and needle depth ``d`` the needle frame sits at frame
+The protocol of LongVA's V-NIAH and VideoRoPE's V-NIAH-D (the benchmark runs it as the ``vlm`` protocol of
+``eval/protocols.py``), on the small frames of :mod:`data.vniah`: for every video length ``L`` (frames) and needle depth ``d`` the needle frame sits at frame
 ``round(d * (L - span))`` of a haystack of the run's kind (procedural or real), the question is the run's
 ("What item is shown in red?") and the answer one word. V-NIAH-D adds one distractor (a blue item of another
 class) ``--delta`` frames before or after the needle (default: the run's ``data.delta``), side drawn with

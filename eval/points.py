@@ -3,7 +3,8 @@
     python eval/points.py --run runs/points_rope --run runs/points_pape_ri
     python eval/points.py --run runs/points_rope --rotations z so3 --factors 2 4 8 --grouping tokens
 
-The protocols of benchmarks-and-data.md A3 / C4, on the run's own validation set (same shapes, same seeds):
+The protocols of the benchmark (the ``points`` protocol of ``eval/protocols.py``), on the run's own validation
+set (same shapes, same seeds):
 
 * rotations (``--rotations``, default ``z so3``): the validation set at the training point count with
   z-aligned rotations (the training augmentation of the default configs) and with uniform SO(3) rotations

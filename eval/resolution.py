@@ -3,9 +3,9 @@
     python eval/resolution.py --run runs/vit_rope --run runs/vit_lookhere
     python eval/resolution.py --run runs/vit_rope --ratios 1 2 4.57 --limit 500 --out outputs/resolution
 
-The protocol of LookHere / RoPE-ViT / PaPE (benchmarks-and-data.md A1, C2): a model trained at size ``T`` is
-tested at ``T * r`` for the LookHere ratios ``r`` = 1, 1.43, 1.71, 2, 2.29, 3.43, 4.57 (224 -> 224 ... 1024),
-each size rounded to a multiple of the patch size, so the field of view is fixed and only the pixel density
+The protocol of LookHere / RoPE-ViT / PaPE (the benchmark runs it as the ``vit`` protocol of
+``eval/protocols.py``): a model trained at size ``T`` is tested at ``T * r`` for the LookHere ratios
+``r`` = 1, 1.43, 1.71, 2, 2.29, 3.43, 4.57 (224 -> 224 ... 1024), each size rounded to a multiple of the patch size, so the field of view is fixed and only the pixel density
 and the number of patch tokens grow. How a test image of side ``S`` is made (``--protocol``; ``auto`` picks
 the first of each line):
 

@@ -128,6 +128,10 @@ class HubMixin(
         module = type(self).__module__
         lines += [
             "",
+            f"Loading needs vlpe's harness, not only the library: `{module}` lives in a checkout of the vlpe repository "
+            "(the `vlpe` wheel holds the library alone). In that checkout, after `make setup` (which installs `.venv` "
+            "and puts the checkout on its path), run with `.venv/bin/python`:",
+            "",
             "```python",
             f"from {module} import {type(self).__name__}",
             f"model = {type(self).__name__}.from_pretrained(\"<this folder or repo id>\")",

@@ -244,11 +244,43 @@ _fast_attention = fast_attention  # module attribute: tests replace it to check 
 
 
 
-def attention_logits(enc: Encoding, q: Tensor, k: Tensor, pos: Positions, layer: int = 0) -> Tensor:
+_LOGITS_CONTRACT = ("enc", "q", "k", "pos", "layer")
+
+
+def _logits_arguments(args: tuple, given: dict) -> tuple[Encoding, Tensor, Tensor, Positions, int]:
+    """``(enc, q, k, pos, layer)`` of either spelling of :func:`attention_logits`; ``TypeError`` saying which
+    argument is missing or given twice, and how the call is written."""
+    usage = ("call attention_logits(q, k, enc=enc, pos=pos, layer=0) (the order of attend(q, k, v, enc=, ctx=)) or "
+             "attention_logits(enc, q, k, pos, layer=0)")  # fmt: skip
+    if args and not isinstance(args[0], Tensor):  # the public contract's order: enc first
+        names = _LOGITS_CONTRACT
+    else:
+        names = ("q", "k")
+    if len(args) > len(names):
+        raise TypeError(f"attention_logits takes at most {len(names)} positional arguments here ({', '.join(names)}), "
+                        f"got {len(args)}; {usage}")  # fmt: skip
+    values = dict(zip(names, args))
+    twice = [n for n in values if given.get(n) is not None]
+    if twice:
+        raise TypeError(f"attention_logits got {twice[0]!r} both by position and by keyword; {usage}")
+    values.update({n: v for n, v in given.items() if v is not None and n not in values})
+    missing = [n for n in _LOGITS_CONTRACT[:4] if values.get(n) is None]
+    if missing:
+        raise TypeError(f"attention_logits is missing {', '.join(map(repr, missing))}; {usage}")
+    return values["enc"], values["q"], values["k"], values["pos"], int(values.get("layer", 0))
+
+
+def attention_logits(*args: Encoding | Tensor | Positions | int, enc: Encoding | None = None, q: Tensor | None = None,
+                     k: Tensor | None = None, pos: Positions | None = None, layer: int | None = None) -> Tensor:  # fmt: skip
     """Pre-softmax scores ``(B, H, N, N)`` with every effect of ``enc`` on them included.
+
+    Two spellings of one call: ``attention_logits(q, k, enc=enc, pos=pos, layer=0)``, tensors first as in
+    :func:`attend` ``(q, k, v, enc=, ctx=)``, and the public contract's ``attention_logits(enc, q, k, pos, layer=0)``
+    (kept exactly as it is: both spellings are supported and neither warns).
 
     ``q, k``: ``(B, H, N, Dh)`` as they enter attention. For tests and plots (this materialises N x N).
     """
+    enc, q, k, pos, layer = _logits_arguments(args, dict(enc=enc, q=q, k=k, pos=pos, layer=layer))
     ctx = enc.prepare(pos)
     check_qkv(q, k, None, enc=enc, ctx=ctx, who=f"{type(enc).__name__} attention_logits")
     scale = q.shape[-1] ** -0.5
