@@ -110,7 +110,7 @@ def test_precedence_yaml_then_file_then_overrides(tmp_path):
 def test_a_deepspeed_yaml_file_works_too(tmp_path):
     path = tmp_path / "ds.yaml"
     path.write_text("zero_optimization:\n  stage: 1\n")
-    cfg, _ = parse(ViTConfig, ["--config", CONFIG, "--deepspeed_config", str(path)])
+    cfg, _ = parse(ViTConfig, ["--config", CONFIG, "--deepspeed_config", str(path), "train.zero_stage=1"])
     assert cfg.deepspeed == {"zero_optimization": {"stage": 1}}
 
 
@@ -123,13 +123,13 @@ def test_deepspeed_config_errors(tmp_path):
     with pytest.raises(ConfigError, match="mapping"):
         parse(ViTConfig, ["--config", CONFIG, f"--deepspeed_config={bad}"])
     typo = _ds_file(tmp_path, {"gradient_cliping": 0.5}, "typo.json")
-    cfg, _ = parse(ViTConfig, ["--config", CONFIG, "--deepspeed_config", typo])
+    with pytest.raises(ConfigError, match="did you mean 'gradient_clipping'"):  # parse builds the DeepSpeed config
+        parse(ViTConfig, ["--config", CONFIG, "--deepspeed_config", typo])
     with pytest.raises(ConfigError, match="did you mean 'gradient_clipping'"):
-        deepspeed_config(cfg.train, cfg.deepspeed, world=1, device=torch.device("cpu"))
+        deepspeed_config(TrainSection(), {"gradient_cliping": 0.5}, world=1, device=torch.device("cpu"))
     opt = _ds_file(tmp_path, {"optimizer": {"type": "Adam", "params": {"lr": 0.1}}}, "opt.json")
-    cfg, _ = parse(ViTConfig, ["--config", CONFIG, "--deepspeed_config", opt])
     with pytest.raises(ConfigError, match="optimizer section"):
-        deepspeed_config(cfg.train, cfg.deepspeed, world=1, device=torch.device("cpu"))
+        parse(ViTConfig, ["--config", CONFIG, "--deepspeed_config", opt])
     with pytest.raises(SystemExit):  # any other flag is refused, not ignored
         parse(ViTConfig, ["--config", CONFIG, "--deepspeed_mpi"])
     with pytest.raises(SystemExit):

@@ -5,20 +5,27 @@ Accepts the ``--local_rank`` the DeepSpeed launcher injects and DeepSpeed's own 
 ``--deepspeed_config`` flags (anywhere on the line, ``--flag FILE`` or ``--flag=FILE``), so the same script runs
 under ``deepspeed train/X.py`` and ``python train/X.py``. Any other unknown flag is an error, never ignored.
 ``--help`` lists every config key with its default, taken from the config class.
+
+:func:`parse` also builds the run's DeepSpeed config (:func:`train.launch.deepspeed_config`, the world size from
+``WORLD_SIZE`` as the launcher sets it, else 1), so a bad ``--deepspeed_config`` file or a batch-size conflict is
+an error before the process group starts (``deepspeed.init_distributed`` loads a communication op first: about
+20 s with a warm cache, minutes while another build holds its lock).
 """
 
 from __future__ import annotations
 
 import argparse
 import errno
+import os
 import sys
 import textwrap
 from typing import Sequence, TypeVar
 
 from .checkpoint import CheckpointError, disk_full_message
 from .config import ConfigError, config_keys, load_config, read_mapping, to_dict
+from .launch import TrainSection, deepspeed_config
 
-__all__ = ["parse", "build_parser", "main_guard", "PRECEDENCE", "LAUNCH_NOTES"]
+__all__ = ["parse", "build_parser", "check_deepspeed", "main_guard", "PRECEDENCE", "LAUNCH_NOTES"]
 
 T = TypeVar("T")
 
@@ -85,7 +92,34 @@ def parse(cls: type[T], argv: Sequence[str] | None = None, *, description: str =
             raise ConfigError(f"--deepspeed_config: {cls.__name__} has no deepspeed section to merge the file into")
         sections = {"deepspeed": read_mapping(args.deepspeed_config, what="--deepspeed_config")}
     cfg = load_config(cls, args.config, args.overrides, sections=sections)
+    check_deepspeed(cfg)
     return cfg, to_dict(cfg)
+
+
+def _launch_world_size() -> int:
+    """The number of ranks the launcher started (``WORLD_SIZE``), 1 for a plain ``python train/X.py``."""
+    raw = os.environ.get("WORLD_SIZE", "1")
+    try:
+        world = int(raw)
+    except ValueError:
+        world = 0
+    if world < 1:
+        raise ConfigError(f"the environment's WORLD_SIZE={raw!r} is not a positive number of ranks; unset it for one "
+                          f"process or launch with deepspeed --num_gpus N")  # fmt: skip
+    return world
+
+
+def check_deepspeed(cfg: object) -> dict | None:
+    """The DeepSpeed config ``fit`` will hand DeepSpeed, built now from ``cfg.train`` and ``cfg.deepspeed``, so its
+    errors (unknown keys, values that disagree with ``train.*``, batch sizes that do not multiply out) are raised
+    before any process group or communication op; ``None`` for a config without those two sections."""
+    train, overrides = getattr(cfg, "train", None), getattr(cfg, "deepspeed", None)
+    if not isinstance(train, TrainSection) or not isinstance(overrides, dict):
+        return None
+    import torch
+
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")  # as train.launch.setup_distributed
+    return deepspeed_config(train, overrides, world=_launch_world_size(), device=device)
 
 
 def main_guard(main) -> None:
