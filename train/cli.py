@@ -69,7 +69,9 @@ def build_parser(cls: type, description: str = "") -> argparse.ArgumentParser:
     epilog = "\n\n".join([_keys_help(cls), textwrap.fill(PRECEDENCE, 100), textwrap.fill(LAUNCH_NOTES, 100)])
     parser = argparse.ArgumentParser(description=description, epilog=epilog,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
-    parser.add_argument("--config", required=True, help="YAML config (see configs/)")
+    parser.add_argument("--config", required=True,
+                        help="YAML config (see configs/); a relative path is read from the current folder, else from "
+                             "the checkout root")  # fmt: skip
     parser.add_argument("--local_rank", type=int, default=-1, help=argparse.SUPPRESS)
     parser.add_argument("--deepspeed", action="store_true",
                         help="DeepSpeed's flag, accepted for its launch convention: these scripts always train "

@@ -20,7 +20,10 @@ from typing import Any, Sequence, TypeVar
 
 import yaml
 
-__all__ = ["ConfigError", "load_config", "from_dict", "to_dict", "parse_overrides", "read_mapping", "config_keys"]
+__all__ = [
+    "ConfigError", "load_config", "resolve_config_path", "from_dict", "to_dict", "parse_overrides", "read_mapping",
+    "config_keys",
+]  # fmt: skip
 
 T = TypeVar("T")
 
@@ -135,22 +138,63 @@ def _read_text(path: Path, *, what: str) -> str:
         raise ConfigError(f"{what} {str(path)!r} cannot be read: {os.strerror(e.errno) if e.errno else e}") from None
 
 
-def parse_overrides(items: Sequence[str]) -> dict:
-    """``["train.steps=10", "model.encoding=rope"]`` -> nested dict (values parsed as YAML scalars)."""
-    out: dict = {}
+def _override_leaves(items: Sequence[str]) -> list[tuple[list[str], Any, str]]:
+    """``(dotted key parts, value parsed as YAML, the item as given)`` of every command-line override."""
+    out = []
     for item in items:
         if "=" not in item:
             raise ConfigError(f"override {item!r} must look like section.key=value")
         key, raw = item.split("=", 1)
         value = _safe_yaml(raw, what=f"the value of override {item!r}") if raw != "" else ""
+        out.append((key.strip().split("."), value, item))
+    return out
+
+
+def parse_overrides(items: Sequence[str]) -> dict:
+    """``["train.steps=10", "model.encoding=rope"]`` -> nested dict (values parsed as YAML scalars)."""
+    out: dict = {}
+    for parts, value, item in _override_leaves(items):
         node = out
-        parts = key.strip().split(".")
         for p in parts[:-1]:
             node = node.setdefault(p, {})
             if not isinstance(node, dict):
                 raise ConfigError(f"override {item!r} conflicts with another override of {p!r}")
         node[parts[-1]] = value
     return out
+
+
+def _section_class(tp: Any) -> type | None:
+    """The dataclass a field holds (``Section`` or ``Section | None``), else ``None`` (a mapping, a plain value)."""
+    if dataclasses.is_dataclass(tp):
+        return tp
+    if typing.get_origin(tp) in (typing.Union, types.UnionType):
+        return next((a for a in typing.get_args(tp) if dataclasses.is_dataclass(a)), None)
+    return None
+
+
+def _check_override(cls: type, parts: Sequence[str], value: Any, where: str, *, prefix: Sequence[str] = ()) -> None:
+    """``ConfigError`` naming the command-line override (``where``) for an unknown key or an ill-typed value; the
+    keys of mappings (``deepspeed``, ``encoding_options``) are checked where they are used."""
+    node, path = cls, list(prefix)
+    for i, part in enumerate(parts):
+        fields = [f.name for f in dataclasses.fields(node)]
+        if part not in fields:
+            section = f"section {'.'.join(path)}" if path else "top level"
+            raise ConfigError(
+                f"{where} ({section}): unknown key {part!r}{_suggest(part, fields)}; valid keys: {', '.join(fields)}"
+            )
+        tp = typing.get_type_hints(node)[part]
+        path.append(part)
+        sub = _section_class(tp)
+        if i < len(parts) - 1:
+            if sub is None:
+                return
+            node = sub
+        elif sub is not None and isinstance(value, dict):  # a whole section: each of its keys as an override
+            for key, inner in value.items():
+                _check_override(sub, [str(key)], inner, where, prefix=path)
+        else:
+            _check_type(value, tp, f"{where} ({'.'.join(path)})")
 
 
 def _merge(base: dict, over: dict) -> dict:
@@ -195,11 +239,36 @@ def read_mapping(path: str | Path, *, what: str) -> dict:
     return data
 
 
+#: the checkout root: a relative ``--config`` path not found from the current folder is read from here
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def resolve_config_path(path: str | Path) -> Path:
+    """``path`` as given when it exists (absolute, or relative to the current folder), else relative to the
+    checkout root (so ``--config configs/...`` works from any folder); ``ConfigError`` naming both places."""
+    path = Path(path)
+    if path.is_file() or path.is_absolute():
+        return path
+    rooted = ROOT / path
+    if rooted.is_file():
+        return rooted
+    raise ConfigError(
+        f"config file {str(path)!r} does not exist: looked in {Path.cwd() / path} (the current folder) and {rooted} "
+        f"(the checkout root); give a path to a YAML file, e.g. configs/vit_rope.yaml"
+    )
+
+
 def load_config(cls: type[T], path: str | Path | None, overrides: Sequence[str] = (), *,
                 sections: dict | None = None) -> T:  # fmt: skip
-    """Read ``path`` (YAML, safe loader), merge ``sections`` (e.g. ``{"deepspeed": {...}}`` from a
-    ``--deepspeed_config`` file) over it, then the dotted ``overrides``, and validate into ``cls``."""
-    data = _read(Path(path)) if path is not None else {}
+    """Read ``path`` (YAML, safe loader; a relative path not found from the current folder is read from the
+    checkout root, :func:`resolve_config_path`), merge ``sections`` (e.g. ``{"deepspeed": {...}}`` from a
+    ``--deepspeed_config`` file) over it, then the dotted ``overrides``, and validate into ``cls``. A mistake in an
+    override is reported against that override (``command-line override 'train.stpes=5' ...``), a mistake in the
+    file against the file."""
+    leaves = _override_leaves(overrides)
+    for parts, value, item in leaves:
+        _check_override(cls, parts, value, f"command-line override {item!r}")
+    data = _read(resolve_config_path(path)) if path is not None else {}
     if sections:
         data = _merge(data, sections)
     data = _merge(data, parse_overrides(overrides))
