@@ -171,7 +171,8 @@ def train_vlm(*, config: Path, steps: int, runs: Path, overrides: Sequence[str],
     return run
 
 
-def finetune_hf(*, out: Path, steps: int, variant: str, fresh: bool, threads: int, ranks: int = 2) -> dict:
+def finetune_hf(*, out: Path, steps: int, variant: str, fresh: bool, threads: int, ranks: int = 2,
+                samples: int = 256) -> dict:
     """Fine-tune a tiny Qwen2-VL folder on made mp4 files (step 4 of the module docstring); returns the run's
     folders and its validation records. A run whose ``hf/`` export exists with the same arguments is reused."""
     from data.instruct import make_vniah_instruct
@@ -182,8 +183,12 @@ def finetune_hf(*, out: Path, steps: int, variant: str, fresh: bool, threads: in
     if fresh:
         for p in (data_dir, folder, run):
             _clean(p)
-    if not (data_dir / "val.json").is_file():
-        make_vniah_instruct(data_dir, train=256, val=64, frames=8, frame_size=56, fps=2.0, seed=0)
+    made = data_dir / "made.json"  # the set's arguments: another size makes it again
+    wanted = {"train": samples, "val": max(1, samples // 4)}
+    if not made.is_file() or json.loads(made.read_text()) != wanted:
+        _clean(data_dir)
+        make_vniah_instruct(data_dir, **wanted, frames=8, frame_size=56, fps=2.0, seed=0)
+        made.write_text(json.dumps(wanted))
     if not (folder / "config.json").is_file():
         save_tiny_qwen_vl("qwen2_vl", folder, texts=[QUESTIONS["needle"], *PHOTO_NEEDLES.values()], frame=28,
                           max_frame=56, layers=2, vision_width=64, vision_depth=2)  # fmt: skip
@@ -255,12 +260,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--no-vlm", action="store_true", help="skip the VLM (training and V-NIAH)")
     p.add_argument("--finetune-steps", type=int, default=300, help="fine-tuning steps of the tiny Qwen2-VL (batch 8)")
     p.add_argument("--finetune-variant", default="mrope_i", help="the variant the Qwen2-VL is fine-tuned with")
+    p.add_argument("--finetune-samples", type=int, default=256, help="training videos (and a quarter as many held out)")
     p.add_argument("--no-finetune", action="store_true", help="skip fine-tuning the Qwen2-VL folder")
     p.add_argument("--no-properties", action="store_true", help="skip eval/properties.py")
     p.add_argument("--fresh", action="store_true", help="retrain and re-evaluate everything")
     p.add_argument("--no-progress", action="store_true")
     args = p.parse_args(argv)
-    for name in ("vit_steps", "vlm_steps", "limit", "samples", "finetune_steps"):
+    for name in ("vit_steps", "vlm_steps", "limit", "samples", "finetune_steps", "finetune_samples"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1")
 
@@ -337,7 +343,7 @@ def main(argv: Sequence[str] | None = None) -> int:
               f"{args.finetune_steps} steps, 2 ranks, ZeRO-2", flush=True)  # fmt: skip
         t0 = time.perf_counter()
         ft = finetune_hf(out=out / "finetune", steps=args.finetune_steps, variant=args.finetune_variant,
-                         fresh=args.fresh, threads=cores)  # fmt: skip
+                         fresh=args.fresh, threads=cores, samples=args.finetune_samples)  # fmt: skip
         phase("finetune", t0)
         t0 = time.perf_counter()
         folder = out / "finetune" / "long_video"
@@ -352,6 +358,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 haystack="procedural", frame_size=56, fps=2.0, train_frames=8, device="cpu", progress=progress)]
             long_video.write_report(ft["long_video"], folder)
             (folder / "settings.json").write_text(json.dumps(settings))
+        else:
+            print(f"[demo] reusing {folder / 'long_video.json'}", flush=True)
         print("\n" + long_video.markdown(ft["long_video"]))
         phase("eval_finetune", t0)
 

@@ -1,7 +1,8 @@
 """The main job (eval/demo.py) end to end with tiny settings (slow: real training runs, one under DeepSpeed).
 
 What is checked: the job trains a ViT and the VLM (through the ``deepspeed`` launcher), evaluates them beyond the
-training resolution / length, writes the tables, plots and timing; the evaluations are those of the exported
+training resolution / length, fine-tunes a tiny Qwen2-VL folder (2 ranks) and evaluates its export under the
+recorded variant, writes the tables, plots and timing; the evaluations are those of the exported
 runs (re-evaluated independently here); a second invocation reuses the finished runs and evaluations (the exports
 are not rewritten), and ``--fresh`` trains again.
 """
@@ -31,6 +32,7 @@ def tiny_args(out: Path) -> list[str]:
         "--vlm-override", "model.num_layers=1", "model.vision_depth=1", "data.frames=4", "data.train_samples=16",
         "data.val_samples=4", "train.micro_batch=4", "train.val_batches=1", "train.num_workers=0",
         "--ratios", "1", "2", "--limit", "8", "--lengths", "2", "4", "8", "--depths", "0", "1", "--samples", "1",
+        "--finetune-steps", "3", "--finetune-samples", "8",
         "--no-properties", "--no-progress",
     ]  # fmt: skip
 
@@ -51,6 +53,11 @@ def test_demo_trains_evaluates_and_resumes(tmp_path, capfd):
         assert f.is_file(), f
     assert "# Resolution extrapolation" in first and "V-NIAH-D, teacher-forced" in first
     assert "[demo] summary" in first and "launcher deepspeed" in first
+    # the fine-tuned Qwen2-VL: a stock-loadable folder with its variant recorded, evaluated under it
+    export = out / "finetune" / "run" / "hf"
+    assert json.loads((export / "config.json").read_text())["vlpe"]["variant"] == "mrope_i"
+    ft = json.loads((out / "finetune" / "long_video" / "long_video.json").read_text())["runs"][0]
+    assert ft["variant"] == "mrope_i" and ft["lengths"] == [8, 16, 32] and "Qwen2-VL fine-tuned with mrope_i" in first
     # the saved evaluations are those of the exported runs
     saved = json.loads((out / "resolution" / "resolution.json").read_text())["runs"][0]
     again = resolution.evaluate_run(vit, [1, 2], limit=8, device="cpu", progress=False)
@@ -66,7 +73,7 @@ def test_demo_trains_evaluates_and_resumes(tmp_path, capfd):
     stamps = {p: p.stat().st_mtime_ns for p in (vit / "model.safetensors", vlm / "model.safetensors")}
     assert demo.main(tiny_args(out)) == 0
     second = capfd.readouterr().out
-    assert second.count("[demo] reusing") == 4  # two runs, two evaluations
+    assert second.count("[demo] reusing") == 6  # two runs, two evaluations, the fine-tune and its evaluation
     assert all(p.stat().st_mtime_ns == t for p, t in stamps.items())
     assert demo.main(tiny_args(out) + ["--fresh", "--no-vlm"]) == 0
     assert (vit / "model.safetensors").stat().st_mtime_ns != stamps[vit / "model.safetensors"]

