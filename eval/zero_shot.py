@@ -1,12 +1,14 @@
 """Zero-shot classification beyond the training resolution: CLIPs with a vlpe vision tower, one per encoding.
 
     python eval/zero_shot.py                                   # configs/zero_shot.yaml (a few CPU minutes)
-    python eval/zero_shot.py --encodings rope ape --set steps=100 --out outputs/zero_shot
+    python eval/zero_shot.py steps=100 encodings=[rope,ape] --out outputs/zero_shot   # key=value, as train/*.py
+    python eval/zero_shot.py --help                            # every key with its default
 
 Protocol. For each encoding, ``open_clip.create_model("<tower>-<encoding>")`` (the configs of
 :mod:`vlpe.integrations.open_clip`: a vlpe ViT through open_clip's ``timm_model_name``, open_clip's text
 transformer and its bundled BPE tokenizer) is trained from scratch, contrastively, on the Fashion-MNIST
-training images (Debian ``dataset-fashion-mnist``, 28 px) paired with captions: a class name in one of
+training images (Debian ``dataset-fashion-mnist``, 28 px; pixels as the config's ``preprocess_cfg`` of
+:mod:`vlpe.integrations.open_clip` says: [0, 1], unnormalised) paired with captions: a class name in one of
 :data:`TRAIN_TEMPLATES`, drawn per image and step. Fashion-MNIST has ten classes, so a batch holds many
 images of one class; the loss is CLIP's symmetric cross-entropy with every caption of the image's class
 counted as a positive (the UniCL form; with unique captions it is CLIP's loss). Every encoding gets the same
@@ -74,6 +76,7 @@ class ZeroShotConfig:
     eval_batch: int = 250
     seed: int = 0
     threads: int | None = None  # torch CPU threads (None: torch's default)
+    progress: bool = True  # a progress bar over each encoding's training steps (stderr)
 
     def __post_init__(self) -> None:
         if not self.encodings:
@@ -105,15 +108,21 @@ def _fashion_mnist(split: str, limit: int | None) -> tuple[Tensor, Tensor, tuple
     return torch.tensor(ds.images[:n]), torch.tensor(ds.labels[:n]), ds.classes
 
 
-def _pixels(images: Tensor, size: int) -> Tensor:
-    """uint8 ``(B, 28, 28)`` -> the tower's input ``(B, 3, size, size)`` in [0, 1] (gray repeated; resized
-    antialiased bicubic when ``size`` is not 28)."""
+def _pixels(images: Tensor, size: int, preprocess: dict[str, Any] | None = None) -> Tensor:
+    """uint8 ``(B, 28, 28)`` -> the tower's input ``(B, 3, size, size)``: [0, 1] (gray repeated; resized
+    antialiased bicubic when ``size`` is not 28), normalised by ``preprocess``'s mean / std (the open_clip
+    ``preprocess_cfg`` the model carries; the vlpe towers' is mean 0, std 1)."""
     from data.transforms import resize
 
     x = images.float().div_(255.0)[:, None]  # (B, 1, 28, 28)
     if size != x.shape[-1]:
         x = resize(x, size)
-    return x.expand(-1, 3, -1, -1)
+    x = x.expand(-1, 3, -1, -1)
+    if preprocess is None:
+        return x
+    mean = torch.tensor(preprocess["mean"], dtype=x.dtype)[:, None, None]
+    std = torch.tensor(preprocess["std"], dtype=x.dtype)[:, None, None]
+    return (x - mean) / std
 
 
 def _captions(classes: Sequence[str]) -> list[str]:
@@ -166,7 +175,8 @@ def train_clip(cfg: ZeroShotConfig, encoding: str, images: Tensor, labels: Tenso
     name = f"{cfg.tower}-{encoding}"
     size = vo.TOWERS[cfg.tower][2]
     torch.manual_seed(cfg.seed)
-    model = open_clip.create_model(name)
+    model = open_clip.create_model(name, force_preprocess_cfg=vo.preprocess_cfg(name))  # model.visual.preprocess_cfg
+    preprocess = model.visual.preprocess_cfg
     tokenizer = open_clip.get_tokenizer(name)
     captions = _captions(classes)
     tokens = tokenizer([t.format(c) for c in captions for t in TRAIN_TEMPLATES])  # (classes * T, L)
@@ -175,12 +185,15 @@ def train_clip(cfg: ZeroShotConfig, encoding: str, images: Tensor, labels: Tenso
     order = torch.randperm(len(images), generator=g)
     losses = []
     model.train()
-    for step in range(cfg.steps):
+    from tqdm import tqdm
+
+    bar = tqdm(range(cfg.steps), desc=f"[zero-shot] {encoding}", unit="step", disable=not cfg.progress, leave=False)
+    for step in bar:
         start = (step * cfg.batch_size) % len(order)
         idx = order[start : start + cfg.batch_size]
         if len(idx) < 2:
             idx = order[: cfg.batch_size]
-        x = _pixels(images[idx], size)  # (B, 3, size, size)
+        x = _pixels(images[idx], size, preprocess)  # (B, 3, size, size)
         y = labels[idx]
         which = torch.randint(len(TRAIN_TEMPLATES), (len(idx),), generator=g)
         text = tokens[y * len(TRAIN_TEMPLATES) + which]  # (B, L)
@@ -194,6 +207,8 @@ def train_clip(cfg: ZeroShotConfig, encoding: str, images: Tensor, labels: Tenso
         with torch.no_grad():
             model.logit_scale.clamp_(0, math.log(100))
         losses.append(loss.item())
+        bar.set_postfix(loss=f"{losses[-1]:.3f}", refresh=False)
+    bar.close()
     return model.eval(), tokenizer, losses
 
 
@@ -209,7 +224,7 @@ def zero_shot_accuracy(
     for size in sizes:
         hits = 0
         for i in range(0, len(images), batch):
-            x = _pixels(images[i : i + batch], size)  # (b, 3, size, size)
+            x = _pixels(images[i : i + batch], size, getattr(model.visual, "preprocess_cfg", None))  # (b, 3, s, s)
             pred = (model.encode_image(x, normalize=True) @ weights).argmax(-1)
             hits += int((pred == labels[i : i + batch]).sum())
         out[int(size)] = hits / len(images)
@@ -280,16 +295,35 @@ def write_report(result: dict[str, Any], out: Path) -> list[Path]:
     return [write_json(out / "zero_shot.json", result), out / "zero_shot.md"]
 
 
+def _keys_help() -> str:
+    """Every config key with its default, as the training scripts' ``--help`` lists them (``train/cli.py``)."""
+    from train.config import config_keys
+
+    rows = config_keys(ZeroShotConfig)
+    width = max(len(f"{k}={v}") for k, v, _ in rows)
+    lines = ["config keys and their defaults (the --config file sets its own values; override any as key=value):"]
+    lines += [f"  {f'{k}={v}':<{width}}  {note}".rstrip() for k, v, note in rows]
+    return "\n".join(lines)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog=_keys_help(),
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    ap.add_argument("--config", default=str(DEFAULT_CONFIG), help="YAML of ZeroShotConfig keys")
+    ap.add_argument("--encodings", nargs="+", help="override the config's encodings")
+    ap.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE",
+                    help="override config keys, e.g. steps=50 (the same as giving them positionally)")  # fmt: skip
+    ap.add_argument("--out", default="outputs/zero_shot")
+    ap.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides, e.g. steps=100 threads=2")
+    return ap
+
+
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     from train.config import load_config
 
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--config", default=str(DEFAULT_CONFIG), help="YAML of ZeroShotConfig keys")
-    ap.add_argument("--encodings", nargs="+", help="override the config's encodings")
-    ap.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE", help="override config keys, e.g. steps=50")
-    ap.add_argument("--out", default="outputs/zero_shot")
-    args = ap.parse_args(argv)
-    overrides = list(args.set)
+    ap = build_parser()
+    args = ap.parse_intermixed_args(argv)
+    overrides = [*args.overrides, *args.set]
     if args.encodings:
         overrides.append("encodings=[" + ",".join(args.encodings) + "]")
     cfg = load_config(ZeroShotConfig, args.config, overrides)

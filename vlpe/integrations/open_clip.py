@@ -20,6 +20,13 @@ registered in vlpe). The towers come from the harness (``models/vit.py``): insta
 module imports and :func:`register` works, the built-in configs are absent and :func:`config_for` raises an
 ``ImportError`` naming the checkout. Checked in ``tests/test_integration_open_clip.py`` against open_clip's factory,
 tokenizer and loss classes.
+
+Preprocessing: the towers take [0, 1] pixels, unnormalised (mean 0, std 1, as their timm ``pretrained_cfg`` says
+and as ``eval/zero_shot.py`` trains them), the whole image resized to the tower's size (bicubic, no crop). open_clip
+reads a ``preprocess_cfg`` only from ``hf-hub:`` / ``local-dir:`` configs, so for a name of this module
+``open_clip.create_model_and_transforms(name)`` falls back to OpenAI's mean/std; :func:`create_model_and_transforms`
+here passes :func:`preprocess_cfg` (``image_mean`` / ``image_std`` / ``image_interpolation`` /
+``image_resize_mode``) to it, and :func:`preprocess_cfg` gives the values for open_clip's own arguments.
 """
 
 from __future__ import annotations
@@ -29,7 +36,9 @@ import json
 import tempfile
 from typing import Any
 
-__all__ = ["TOWERS", "config_for", "register", "names"]
+__all__ = [
+    "TOWERS", "PREPROCESS", "config_for", "register", "names", "preprocess_cfg", "create_model_and_transforms",
+]  # fmt: skip
 
 #: tower name -> (vlpe ViT preset, patch, image size, joint embedding width, open_clip text_cfg)
 TOWERS: dict[str, tuple[str, int, int, int, dict[str, Any]]] = {
@@ -40,6 +49,12 @@ TOWERS: dict[str, tuple[str, int, int, int, dict[str, Any]]] = {
         "pico", 4, 28, 96, dict(context_length=16, vocab_size=49408, width=96, heads=2, layers=2)
     ),
 }
+
+#: how the towers are fed (open_clip ``PreprocessCfg`` keys, ``size`` from the tower): [0, 1] pixels, unnormalised,
+#: the whole image resized bicubic to the tower's size (``eval/zero_shot.py``'s ``_pixels``)
+PREPROCESS: dict[str, Any] = dict(mean=(0.0, 0.0, 0.0), std=(1.0, 1.0, 1.0), interpolation="bicubic",
+                                  resize_mode="squash")  # fmt: skip
+_PREPROCESS: dict[str, dict[str, Any]] = {}  # registered name -> its preprocess_cfg
 
 _CONFIG_DIR = tempfile.TemporaryDirectory(prefix="vlpe-open-clip-")  # open_clip re-reads its config files
 _REGISTERED: list[str] = []
@@ -84,9 +99,11 @@ def config_for(tower: str, encoding: str) -> dict[str, Any]:
     return dict(embed_dim=embed_dim, vision_cfg=vision_cfg, text_cfg=copy.deepcopy(text_cfg))
 
 
-def register(name: str, config: dict[str, Any]) -> str:
+def register(name: str, config: dict[str, Any], *, preprocess: dict[str, Any] | None = None) -> str:
     """Add ``config`` to open_clip's model configs as ``name`` (``open_clip.list_models()``,
-    ``create_model(name)``, ``get_tokenizer(name)``) through ``open_clip.add_model_config``."""
+    ``create_model(name)``, ``get_tokenizer(name)``) through ``open_clip.add_model_config``; ``preprocess``
+    (open_clip ``PreprocessCfg`` keys) is what :func:`preprocess_cfg` / :func:`create_model_and_transforms` give
+    it (default :data:`PREPROCESS` at the config's image size)."""
     import open_clip
     import timm
 
@@ -97,13 +114,45 @@ def register(name: str, config: dict[str, Any]) -> str:
     tower = config["vision_cfg"].get("timm_model_name")
     if tower is not None and not timm.is_model(tower):
         raise ValueError(f"vision_cfg.timm_model_name {tower!r} is not a timm architecture")
+    pp = _preprocess_for(config, preprocess)  # checked before anything is registered
     path = f"{_CONFIG_DIR.name}/{name}.json"
     with open(path, "w") as f:
         json.dump(config, f, indent=2)
     open_clip.add_model_config(path)
+    _PREPROCESS[name] = pp
     if name not in _REGISTERED:
         _REGISTERED.append(name)
     return name
+
+
+def _preprocess_for(config: dict[str, Any], preprocess: dict[str, Any] | None) -> dict[str, Any]:
+    from open_clip.transform import PreprocessCfg
+
+    known = set(PreprocessCfg.__dataclass_fields__)
+    cfg = {**PREPROCESS, "size": config["vision_cfg"].get("image_size", 224), **(preprocess or {})}
+    unknown = sorted(set(cfg) - known)
+    if unknown:
+        raise ValueError(f"preprocess: unknown key {unknown[0]!r}; open_clip's PreprocessCfg keys: {sorted(known)}")
+    return cfg
+
+
+def preprocess_cfg(name: str) -> dict[str, Any]:
+    """The open_clip ``PreprocessCfg`` (as a dict) the config ``name`` of this module is trained with."""
+    if name not in _PREPROCESS:
+        raise ValueError(f"{name!r} is not a config of vlpe.integrations.open_clip; configs: {', '.join(names())}")
+    return copy.deepcopy(_PREPROCESS[name])
+
+
+def create_model_and_transforms(name: str, **kwargs: Any):
+    """``open_clip.create_model_and_transforms(name, ...)`` with :func:`preprocess_cfg` as its ``image_mean`` /
+    ``image_std`` / ``image_interpolation`` / ``image_resize_mode`` (arguments given here win): returns ``(model,
+    train transform, val transform)``, the transforms giving the pixels the tower is trained on."""
+    import open_clip
+
+    pp = preprocess_cfg(name)
+    for key in ("mean", "std", "interpolation", "resize_mode"):
+        kwargs.setdefault(f"image_{key}", pp[key])
+    return open_clip.create_model_and_transforms(name, **kwargs)
 
 
 def names(encoding: str | None = None) -> list[str]:
@@ -126,8 +175,10 @@ def _register_builtins() -> None:
             if not fits(preset, encoding):  # e.g. LookHere's direction presets on fewer than 12 heads
                 continue
             name = f"{tower}-{encoding}"
+            config = config_for(tower, encoding)
             with open(f"{_CONFIG_DIR.name}/{name}.json", "w") as f:
-                json.dump(config_for(tower, encoding), f, indent=2)
+                json.dump(config, f, indent=2)
+            _PREPROCESS[name] = _preprocess_for(config, None)
             _REGISTERED.append(name)
     open_clip.add_model_config(_CONFIG_DIR.name)  # one rescan for all of them
 
