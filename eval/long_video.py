@@ -75,6 +75,23 @@ class VLMRun:
     model: Any  # models.vlm.VLM
 
 
+def fine_tune_run(run_dir: str | Path) -> str | None:
+    """What to say when ``run_dir`` is a fine-tune of a checkpoint folder (``train/vlm.py model.hf_model=...``), whose
+    result is the Hugging Face folder ``<run_dir>/hf`` rather than a small-VLM export; None otherwise."""
+    import yaml
+
+    cfg_path = Path(run_dir) / "config.yaml"
+    try:
+        raw = yaml.safe_load(cfg_path.read_text()) if cfg_path.is_file() else None
+    except yaml.YAMLError:
+        return None  # load_vlm_run names the problem
+    model = raw.get("model") if isinstance(raw, dict) else None
+    if isinstance(model, dict) and model.get("hf_model"):
+        return (f"{run_dir} fine-tuned the checkpoint folder {model['hf_model']}; evaluate its export with --hf-model "
+                f"{Path(run_dir) / 'hf'} (it carries the variant it was trained with)")  # fmt: skip
+    return None
+
+
 def load_vlm_run(run_dir: str | Path, *, device: str | torch.device = "cpu") -> VLMRun:
     """Rebuild the VLM exported by ``train/vlm.py`` in ``run_dir`` (``config.yaml`` + ``model.safetensors``).
 
@@ -90,6 +107,9 @@ def load_vlm_run(run_dir: str | Path, *, device: str | torch.device = "cpu") -> 
     from train.vlm import VLMConfig, build_model
 
     run_dir = Path(run_dir)
+    problem = fine_tune_run(run_dir)
+    if problem is not None:
+        raise ValueError(problem)
     cfg_path, weights = run_dir / "config.yaml", run_dir / "model.safetensors"
     for p in (cfg_path, weights):
         if not p.is_file():
@@ -354,6 +374,10 @@ def main(argv: Sequence[str] | None = None) -> list[dict]:
     if not args.run and not args.hf_model:
         p.error("give --run (a train/vlm.py run) or --hf-model (a Qwen-VL checkpoint folder)")
     hf_long_video.check_arguments(p, args)
+    for run in args.run:
+        problem = fine_tune_run(run)
+        if problem is not None:
+            p.error(problem)
     evals = [
         evaluate_run(run, args.lengths, args.depths, tasks=args.tasks, scorings=args.scoring,
                      samples_per_cell=10 if args.samples is None else args.samples, batch_size=args.batch_size,

@@ -242,6 +242,10 @@ def test_lora_exports_merged_weights_and_the_export_evaluates(vniah_set, tmp_pat
              str(report), "--no-progress", "--device", "cpu"])  # fmt: skip
     saved = json.loads((report / "long_video.json").read_text())["runs"]
     assert [ev["variant"] for ev in saved] == ["mrope_i"], r.stdout[-1000:]
+    # the run folder itself is not a small-VLM run: the error points at its export
+    r = subprocess.run([PY, "eval/long_video.py", "--run", str(out), "--out", str(tmp_path / "x")], cwd=ROOT, env=ENV,
+                       capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert r.returncode != 0 and f"--hf-model {out / 'hf'}" in r.stderr, r.stderr[-1500:]
 
 
 @pytest.mark.slow

@@ -4,8 +4,8 @@ what ``train/vlm.py`` runs when ``model.hf_model`` is set.
     deepspeed --num_gpus 8 train/vlm.py --config configs/hf/qwen2_vl.yaml model.hf_model=Qwen2-VL-7B-Instruct \
         model.variant=videorope data.annotations=llava_video_178k.json data.media_root=videos/
 
-The workflow of the papers behind MRoPE-I, VideoRoPE, HoPE, VRoPE, V2PE and PyPE (``../shared``-free summary in the
-README): load the folder offline with its own processor and chat template, switch its text positions and rotary
+The workflow of the papers behind MRoPE-I, VideoRoPE, HoPE, VRoPE, V2PE and PyPE (the README's section "Fine-tune a
+Qwen-VL with another position encoding"): load the folder offline with its own processor and chat template, switch its text positions and rotary
 tables with :func:`vlpe.integrations.transformers.apply` (``model.scaling`` a vlpe scaling dict), fine-tune on
 LLaVA / ShareGPT-style annotations (:mod:`data.instruct`: videos decoded at ``data.fps`` up to ``data.max_frames``
 with their real timestamps, loss on assistant tokens only), then export a folder stock ``transformers`` loads, with
@@ -336,13 +336,13 @@ def main(cfg, raw: dict) -> None:
     def validate(module, device):
         from torch.utils.data import DataLoader, Subset
 
+        from train.engine import move_to
+
         n = len(val_set) // world  # every rank runs the same number of batches (ZeRO-3 gathers collectively)
         n = min(n, t.val_batches * t.micro_batch)
         loader = DataLoader(Subset(val_set, range(rank * n, (rank + 1) * n)), batch_size=t.micro_batch,
                             collate_fn=val_collate, num_workers=t.num_workers)  # fmt: skip
-        stats = torch.zeros(3, dtype=torch.float64)
-        from train.engine import move_to
-
+        stats = torch.zeros(3, dtype=torch.float64)  # correct, scored, loss x scored
         for batch in loader:
             batch = move_to(batch, device)
             out = module(batch)
