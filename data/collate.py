@@ -22,6 +22,11 @@ In both layouts a batch whose images all have the same grid gets ``valid=None`` 
 
 Points: :class:`PointCollator` pads clouds to the longest with zeros and returns the ``(B, N, 3)`` points,
 their ``valid`` mask and ``Positions.points`` of the points (each point a token; prefix tokens first).
+
+Skipped samples: a collator that leaves samples out (unreadable files a dataset returned as ``None``) says how many
+in the batch, as the ``"num_skipped"`` key of a dict batch or as a :class:`CountedBatch` (a tuple batch with a
+``num_skipped`` attribute); :func:`num_skipped` reads either, and ``train.engine.fit`` adds it to the ``skipped``
+count of its train records.
 """
 
 from __future__ import annotations
@@ -39,7 +44,33 @@ from torch.utils.data import Sampler
 from vlpe import Positions
 from vlpe.tokenizers._common import check_fit, patches_along, to_pair
 
-__all__ = ["ImageCollator", "PointCollator", "SizeGroupedBatchSampler", "image_positions"]
+__all__ = [
+    "CountedBatch", "ImageCollator", "PointCollator", "SizeGroupedBatchSampler", "image_positions", "num_skipped"
+]
+
+
+class CountedBatch(tuple):
+    """A tuple batch (e.g. ``(images, labels)``) that also carries ``num_skipped``, the samples its collator left
+    out. It unpacks, indexes and pickles (DataLoader workers) like the tuple it is; rebuilt from its items alone
+    (``type(batch)(items)``, as ``train.data_order.move_to`` does) its count is 0, so read it before moving it."""
+
+    num_skipped: int
+
+    def __new__(cls, items=(), num_skipped: int = 0):
+        self = super().__new__(cls, items)
+        self.num_skipped = int(num_skipped)
+        return self
+
+    def __reduce__(self):
+        return (type(self), (tuple(self), self.num_skipped))
+
+
+def num_skipped(batch) -> int:
+    """How many samples the collator of ``batch`` left out: a dict batch's ``"num_skipped"``, a
+    :class:`CountedBatch`'s ``num_skipped``, else 0 (what ``train.engine.fit`` counts into its train records)."""
+    if isinstance(batch, dict):
+        return int(batch.get("num_skipped", 0))
+    return int(getattr(batch, "num_skipped", 0))
 
 
 def _split_sample(sample, who: str) -> tuple[Tensor, int | None]:

@@ -153,13 +153,18 @@ def fit(
     ``validate(module, device)`` returns a metrics dict (already reduced across ranks); it runs every
     ``val_every`` steps and at the end. Metrics go to ``<out_dir>/metrics.jsonl`` (rank 0). ``export(engine,
     out_dir)`` replaces the safetensors export at the end (e.g. a Hugging Face folder). A batch that is a dict with
-    ``num_skipped`` (samples its collator left out) adds to the ``skipped`` count every train record carries.
+    ``num_skipped`` (samples its collator left out), or a :class:`data.collate.CountedBatch`, adds to the
+    ``skipped`` count every train record carries (:func:`data.collate.num_skipped`).
     """
     import deepspeed
     import yaml
 
+    from data.collate import num_skipped
+    from .lock import hold_out_dir
+
     out_dir = check_out_dir(train.out_dir)
     rank, world, device = setup_distributed()
+    run_lock = hold_out_dir(out_dir, rank=rank)  # a second run on this out_dir is refused (train/lock.py)
     ckpt_dir = out_dir / "checkpoints"
     signature = model_signature(run_config)
     seed_everything(train.seed + 1)  # the training stream (dropout, drop-path) after the model's init
@@ -229,8 +234,7 @@ def fit(
     window_loss, window_n, window_tokens, t0 = 0.0, 0, 0, time.perf_counter()
     engine.train()
     for micro, batch in enumerate(loader):
-        if isinstance(batch, dict) and "num_skipped" in batch:
-            skipped += int(batch["num_skipped"])
+        skipped += num_skipped(batch)  # what the collator left out: a dict's "num_skipped" or a CountedBatch's
         batch = move_to(batch, device)
         out = engine(batch)
         loss = out["loss"]
@@ -284,6 +288,8 @@ def fit(
         final = ckpt_dir / tag_for(step)
         print(f"[train] weights: {Path(where).resolve()} (final checkpoint: {final.resolve()})", flush=True)
     result.step = step
+    if run_lock is not None:
+        run_lock.release()
     return result
 
 
