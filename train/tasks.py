@@ -16,7 +16,10 @@ class Classifier(nn.Module):
     """``forward(batch) -> {"loss", "logits"}`` around a backbone mapping inputs to class logits.
 
     ``batch`` is ``(inputs, labels)``; ``inputs`` is whatever the backbone takes (images, a list of
-    images of different sizes, point clouds).
+    images of different sizes, point clouds). A batch with no labels (``labels`` of length 0: every sample of it
+    was unreadable, ``train.vit.collate``'s stand-in) has nothing to train on: the backbone still runs on its
+    stand-in inputs and the loss is 0 times their logits, so every parameter gets a zero gradient and every rank
+    takes part in the step's collectives.
     """
 
     def __init__(self, backbone: nn.Module, *, label_smoothing: float = 0.0) -> None:
@@ -27,6 +30,8 @@ class Classifier(nn.Module):
     def forward(self, batch) -> dict[str, Tensor]:
         inputs, labels = batch
         logits = self.backbone(inputs)
+        if labels.shape[0] == 0:  # nothing to train on (a shape, known on the host: no device sync)
+            return {"loss": logits.float().sum() * 0.0, "logits": logits[:0]}
         loss = F.cross_entropy(logits.float(), labels, label_smoothing=self.label_smoothing)
         return {"loss": loss, "logits": logits}
 
@@ -53,13 +58,17 @@ def val_loader(dataset, *, micro_batch: int, max_batches: int, collate: Callable
 def evaluate_classification(
     model: nn.Module, batches: Iterable, device: torch.device, *, to_device: Callable
 ) -> dict[str, float]:
-    """Top-1 accuracy and mean loss over ``batches`` (this rank's share), summed over all ranks."""
+    """Top-1 accuracy and mean loss over ``batches`` (this rank's share), summed over all ranks. A batch has as many
+    scored samples as labels: the inputs of a batch without labels (a stand-in for unreadable samples, see
+    :class:`Classifier`) still go through the model, as on every other rank, and count for nothing."""
     correct = torch.zeros((), dtype=torch.float64)
     total = torch.zeros((), dtype=torch.float64)
     loss_sum = torch.zeros((), dtype=torch.float64)
     for batch in batches:
         inputs, labels = to_device(batch, device)
         logits = model.backbone(inputs) if isinstance(model, Classifier) else model(inputs)
+        if labels.shape[0] == 0:
+            logits = logits[:0]
         loss_sum += F.cross_entropy(logits.float(), labels, reduction="sum").double().cpu()
         correct += (logits.argmax(-1) == labels).sum().double().cpu()
         total += labels.numel()

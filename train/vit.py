@@ -11,6 +11,7 @@ The default configs are CPU-sized (Fashion-MNIST at 28 px, a 4-block ViT, a few 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any, Literal
 
 import torch
@@ -127,27 +128,47 @@ def build_datasets(data: DataSection, *, size: int | None = None) -> tuple[Datas
     return train, val, num_classes
 
 
-def collate(items):
-    """``(images, labels)``: stacked when all images share a size, else a list; images an ImageFolder could not
-    decode (``None``, already warned about and counted) are dropped."""
+def collate(items, *, stand_in: tuple[int, int, int] | None = None):
+    """``(images, labels)`` as a :class:`data.collate.CountedBatch`: stacked when all images share a size, else a
+    list; images an ImageFolder could not decode (``None``, already warned about) are dropped and counted in its
+    ``num_skipped`` (``train.engine.fit`` adds it to the ``skipped`` count of its train records).
+
+    A batch whose every image failed still has to go through the model on every rank (DeepSpeed's collectives
+    and ZeRO-3's gathers need all ranks in step): with ``stand_in=(C, H, W)`` it becomes one zero image of that
+    shape and no label, which :class:`train.tasks.Classifier` turns into a zero loss that touches every parameter
+    (zero gradients; the optimizer still steps, so its moments decay and weight decay applies) and
+    :func:`train.tasks.evaluate_classification` scores as nothing. Without ``stand_in`` such a batch is a
+    ``ValueError``.
+    """
+    from data.collate import CountedBatch
+
     kept = [(x, y) for x, y in items if x is not None]
+    dropped = len(items) - len(kept)
     if not kept:
-        raise ValueError(f"every image of this batch of {len(items)} failed to decode (see the warnings); fix the data")
-    items = kept
-    images = [x for x, _ in items]
-    labels = torch.tensor([y for _, y in items], dtype=torch.long)
+        if stand_in is None:
+            raise ValueError(
+                f"every image of this batch of {len(items)} failed to decode (see the warnings); fix the data, or "
+                f"collate with stand_in=(C, H, W) to train through such batches with a zero loss"
+            )
+        return CountedBatch((torch.zeros(1, *stand_in), torch.zeros(0, dtype=torch.long)), num_skipped=dropped)
+    images = [x for x, _ in kept]
+    labels = torch.tensor([y for _, y in kept], dtype=torch.long)
     same = all(im.shape == images[0].shape for im in images)
-    return (torch.stack(images) if same else images), labels
+    return CountedBatch(((torch.stack(images) if same else images), labels), num_skipped=dropped)
 
 
 def main(argv=None) -> None:
     cfg, raw = parse(ViTConfig, argv, description=__doc__)
+    size = cfg.data.img_size
+    batch_of = partial(collate, stand_in=(cfg.data.channels, size, size))  # the shape every dataset here yields
     seed_everything(cfg.train.seed)  # reproducible model initialisation
     train_set, val_set, num_classes = build_datasets(cfg.data)
     model = Classifier(build_model(cfg, num_classes), label_smoothing=cfg.model.label_smoothing)
 
     def validate(module, device):
-        loader = val_loader(val_set, micro_batch=cfg.train.micro_batch, max_batches=cfg.train.val_batches, collate=collate)
+        loader = val_loader(
+            val_set, micro_batch=cfg.train.micro_batch, max_batches=cfg.train.val_batches, collate=batch_of
+        )
         return evaluate_classification(module, loader, device, to_device=move_to)
 
     patches = (cfg.data.img_size // cfg.model.patch_size) ** 2
@@ -156,7 +177,7 @@ def main(argv=None) -> None:
         train=cfg.train,
         deepspeed_overrides=cfg.deepspeed,
         train_set=train_set,
-        collate=collate,
+        collate=batch_of,
         validate=validate,
         run_config={**raw, "num_classes": num_classes, "script": "vit"},
         tokens_per_sample=lambda batch: len(batch[1]) * patches,
