@@ -47,8 +47,10 @@ __all__ = [
     "model_signature",
     "signature_differences",
     "check_signature",
+    "read_signature",
     "exported_signature",
     "check_export",
+    "sign_export",
 ]
 
 MARKER = "COMPLETE"
@@ -418,21 +420,148 @@ def check_signature(recorded: dict, now: dict, *, where: str, fix: str) -> None:
         raise CheckpointError(f"{where} was made by a different model: {shown}. {fix}")
 
 
-def exported_signature(weights: str | Path) -> dict | None:
-    """The model signature in a safetensors export's metadata (None for exports without one)."""
-    from safetensors import safe_open
+def read_signature(path: str | Path) -> dict:
+    """The model signature in ``path`` (a checkpoint's ``model.json``): :class:`CheckpointError` naming the file when
+    it cannot be read, is not JSON or is not a mapping (what :func:`model_signature` gives and ``save_checkpoint``
+    writes)."""
+    path = Path(path)
+    try:
+        saved = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError) as e:
+        raise CheckpointError(
+            f"cannot read the model signature {path}: {e}; restore it from the run that wrote it"
+        ) from None
+    if not isinstance(saved, dict):
+        raise CheckpointError(
+            f"{path} must hold a JSON mapping (a run's model signature), got {type(saved).__name__}; restore it from "
+            f"the run that wrote it"
+        )
+    return saved
 
-    with safe_open(str(weights), framework="pt") as f:
-        meta = f.metadata() or {}
+
+def _json_kind(value: Any) -> str:
+    names = {list: "array", str: "string", bool: "boolean", int: "number", float: "number", type(None): "null"}
+    return names.get(type(value), type(value).__name__)
+
+
+def exported_signature(weights: str | Path) -> dict | None:
+    """The model signature in a safetensors export's metadata (the JSON mapping under ``vlpe.model`` that
+    ``train.engine.fit`` writes), None for an export without one; :class:`CheckpointError` naming the file when
+    the header cannot be read or the entry is not a JSON mapping."""
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        with safe_open(str(weights), framework="pt") as f:
+            meta = f.metadata() or {}
+    except (SafetensorError, OSError, ValueError) as e:
+        raise CheckpointError(
+            f"{weights} is not a readable safetensors file ({e}): it is damaged or not the export a training run "
+            f"wrote; restore it from the run"
+        ) from None
     raw = meta.get(METADATA_KEY)
-    return None if raw is None else json.loads(raw)
+    if raw is None:
+        return None
+    fix = "the file was altered; restore the export the training run wrote"
+    try:
+        recorded = json.loads(raw)
+    except ValueError as e:
+        raise CheckpointError(
+            f"{weights}: its '{METADATA_KEY}' metadata is not JSON ({e}); expected the run's model signature as a "
+            f"JSON mapping: {fix}"
+        ) from None
+    if not isinstance(recorded, dict):
+        raise CheckpointError(
+            f"{weights}: its '{METADATA_KEY}' metadata is a JSON {_json_kind(recorded)}, expected the run's model "
+            f"signature as a JSON mapping: {fix}"
+        )
+    return recorded
+
+
+def _signing_evidence(run_dir: Path) -> tuple[Path | None, Path | None]:
+    """(the newest checkpoint signature ``checkpoints/step_*/model.json``, the lock file) found in ``run_dir``:
+    files only a harness that signs its exports writes (signatures of checkpoints and of exports came in the same
+    version, the run lock later)."""
+    from .lock import LOCK_FILE
+
+    ckpt_dir = run_dir / "checkpoints"
+    signed = sorted(ckpt_dir.glob("step_*/" + SIGNATURE), key=lambda p: p.parent.name, reverse=True)
+    lock = run_dir / LOCK_FILE
+    return (signed[0] if signed else None), (lock if lock.is_file() else None)
 
 
 def check_export(weights: str | Path, config: dict, *, config_path: str | Path) -> None:
     """:class:`CheckpointError` when the model signature recorded in the safetensors export ``weights``
-    differs from the one of the run config ``config`` (read from ``config_path``); exports from before
-    signatures were recorded are not checked."""
+    (:func:`exported_signature`) differs from the one of the run config ``config`` (read from ``config_path``).
+
+    An export without a signature is refused when its folder shows it was written by a harness that signs
+    exports (a checkpoint's ``model.json`` or the run lock, :func:`_signing_evidence`): its metadata was removed,
+    so nothing ties it to ``config_path`` (the message lists how ``config`` differs from the checkpoint's
+    signature, and how to sign the export again with :func:`sign_export`). An export whose folder holds neither
+    predates signatures: it loads, with a warning that ``config_path`` is not checked against it.
+    """
+    weights, config_path = Path(weights), Path(config_path)
     recorded = exported_signature(weights)
     if recorded is not None:
         fix = f"restore {config_path} to the config the run was trained with"
         check_signature(recorded, config, where=str(weights), fix=fix)
+        return
+    signed, lock = _signing_evidence(weights.parent)
+    source = signed if signed is not None else config_path
+    sign = f"python -c \"from train.checkpoint import sign_export; sign_export('{weights}', signature='{source}')\""
+    if signed is None and lock is None:
+        import warnings
+
+        warnings.warn(
+            f"{weights} records no model signature (an export from before vlpe signed its exports: its folder holds "
+            f"no signed checkpoint and no run lock), so {config_path} is not checked against it; once you are sure "
+            f"it is the config these weights were trained with, sign the export: {sign}",
+            RuntimeWarning,
+            stacklevel=2,
+        )
+        return
+    diffs = ""
+    if signed is not None:
+        found = signature_differences(read_signature(signed), config)
+        if found:
+            diffs = f"; and {config_path.name} differs from the signature {signed} records: " + "; ".join(found[:8])
+    raise CheckpointError(
+        f"{weights} carries no model signature ('{METADATA_KEY}' in its safetensors metadata), but its folder was "
+        f"written by a training run that signs its export ({signed if signed is not None else lock}): the "
+        f"signature was removed (e.g. the file re-saved by a tool that drops metadata), so nothing ties these weights "
+        f"to {config_path}{diffs}. Restore the model.safetensors the run wrote; or, if these are the run's weights "
+        f"and {config_path.name} the config they were trained with, sign them again: {sign}"
+    )
+
+
+def sign_export(weights: str | Path, *, signature: dict | str | Path) -> None:
+    """Write ``signature`` into the safetensors export ``weights`` as its ``vlpe.model`` metadata (the tensors and
+    any other metadata unchanged; replaced atomically), so :func:`check_export` checks run configs against it.
+
+    ``signature``: a model signature mapping, a ``model.json`` of one of the run's checkpoints
+    (:func:`read_signature`), or the run's ``config.yaml`` (its :func:`model_signature`).
+    """
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    weights = Path(weights)
+    if isinstance(signature, (str, Path)):
+        src = Path(signature)
+        if src.suffix in (".yaml", ".yml"):
+            import yaml
+
+            config = yaml.safe_load(src.read_text(encoding="utf-8"))
+            if not isinstance(config, dict):
+                raise CheckpointError(f"{src} must be a run's config.yaml (a mapping), got {type(config).__name__}")
+            signature = model_signature(config)
+        else:
+            signature = read_signature(src)
+    if not isinstance(signature, dict):
+        raise CheckpointError(f"signature must be a mapping, a model.json or a config.yaml, got {signature!r}")
+    exported_signature(weights)  # a readable header first
+    with safe_open(str(weights), framework="pt") as f:
+        meta = dict(f.metadata() or {})
+        tensors = {k: f.get_tensor(k) for k in f.keys()}
+    meta[METADATA_KEY] = json.dumps(model_signature(signature), sort_keys=True)
+    tmp = weights.with_suffix(".tmp")
+    save_file(tensors, str(tmp), metadata=meta)
+    tmp.replace(weights)
