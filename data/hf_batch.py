@@ -31,6 +31,8 @@ from typing import Any, Sequence
 import torch
 from torch import Tensor
 
+from .vlm_collate import pack_rows
+
 __all__ = ["InstructCollator", "IGNORE_INDEX", "MODEL_KEYS"]
 
 IGNORE_INDEX = -100
@@ -144,16 +146,4 @@ class InstructCollator:
         )  # fmt: skip
 
     def _groups(self, lengths: list[int]) -> list[list[int]]:
-        """Samples (by index, in order) of every packed row: a new row starts when the next sample would take the
-        row past ``max_length`` (one row without a limit)."""
-        groups: list[list[int]] = [[]]
-        used = 0
-        for k, n in enumerate(lengths):
-            if self.max_length is not None and n > self.max_length:
-                raise ValueError(f"a sample of {n} tokens does not fit a packed row of max_length={self.max_length}")
-            if groups[-1] and self.max_length is not None and used + n > self.max_length:
-                groups.append([])
-                used = 0
-            groups[-1].append(k)
-            used += n
-        return groups
+        return pack_rows(lengths, self.max_length)

@@ -59,7 +59,9 @@ from torch import Tensor
 
 from .text import WordTokenizer
 
-__all__ = ["OPENAI_CLIP_MEAN", "OPENAI_CLIP_STD", "VLMCollator", "patchify", "to_hf_inputs", "segments_of"]
+__all__ = [
+    "OPENAI_CLIP_MEAN", "OPENAI_CLIP_STD", "VLMCollator", "patchify", "to_hf_inputs", "segments_of", "pack_rows",
+]  # fmt: skip
 
 OPENAI_CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
 OPENAI_CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
@@ -326,17 +328,23 @@ class VLMCollator:
         return batch
 
     def _groups(self, lengths: list[int]) -> list[list[int]]:
-        """Samples (by index, in order) of every packed row: a new row starts when the next sample would take
-        the row past ``max_length`` (one row without a limit)."""
-        groups: list[list[int]] = [[]]
-        used = 0
-        for k, n in enumerate(lengths):
-            if groups[-1] and self.max_length is not None and used + n > self.max_length:
-                groups.append([])
-                used = 0
-            groups[-1].append(k)
-            used += n
-        return groups
+        return pack_rows(lengths, self.max_length)
+
+
+def pack_rows(lengths: Sequence[int], max_length: int | None) -> list[list[int]]:
+    """Samples (by index, in order) of every packed row: a new row starts when the next sample would take the row
+    past ``max_length`` tokens (one row without a limit); a sample longer than ``max_length`` is a ValueError."""
+    groups: list[list[int]] = [[]]
+    used = 0
+    for k, n in enumerate(lengths):
+        if max_length is not None and n > max_length:
+            raise ValueError(f"a sample of {n} tokens does not fit a packed row of max_length={max_length}")
+        if groups[-1] and max_length is not None and used + n > max_length:
+            groups.append([])
+            used = 0
+        groups[-1].append(k)
+        used += n
+    return groups
 
 
 def to_hf_inputs(batch: dict[str, Tensor]) -> dict[str, Any]:

@@ -172,7 +172,7 @@ def train_vlm(*, config: Path, steps: int, runs: Path, overrides: Sequence[str],
 
 
 def finetune_hf(*, out: Path, steps: int, variant: str, fresh: bool, threads: int, ranks: int = 2,
-                samples: int = 256) -> dict:
+                samples: int = 768) -> dict:
     """Fine-tune a tiny Qwen2-VL folder on made mp4 files (step 4 of the module docstring); returns the run's
     folders and its validation records. A run whose ``hf/`` export exists with the same arguments is reused."""
     from data.instruct import make_vniah_instruct
@@ -184,7 +184,7 @@ def finetune_hf(*, out: Path, steps: int, variant: str, fresh: bool, threads: in
         for p in (data_dir, folder, run):
             _clean(p)
     made = data_dir / "made.json"  # the set's arguments: another size makes it again
-    wanted = {"train": samples, "val": max(1, samples // 4)}
+    wanted = {"train": samples, "val": max(1, min(64, samples // 4))}
     if not made.is_file() or json.loads(made.read_text()) != wanted:
         _clean(data_dir)
         make_vniah_instruct(data_dir, **wanted, frames=8, frame_size=56, fps=2.0, seed=0)
@@ -260,7 +260,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--no-vlm", action="store_true", help="skip the VLM (training and V-NIAH)")
     p.add_argument("--finetune-steps", type=int, default=300, help="fine-tuning steps of the tiny Qwen2-VL (batch 8)")
     p.add_argument("--finetune-variant", default="mrope_i", help="the variant the Qwen2-VL is fine-tuned with")
-    p.add_argument("--finetune-samples", type=int, default=256, help="training videos (and a quarter as many held out)")
+    p.add_argument("--finetune-samples", type=int, default=768,
+                   help="training samples of the fine-tune (a quarter as many, at most 64, held out)")
     p.add_argument("--no-finetune", action="store_true", help="skip fine-tuning the Qwen2-VL folder")
     p.add_argument("--no-properties", action="store_true", help="skip eval/properties.py")
     p.add_argument("--fresh", action="store_true", help="retrain and re-evaluate everything")

@@ -76,3 +76,22 @@ def pytest_unconfigure(config):
 def _seed():
     torch.manual_seed(0)
     yield
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen_vl(tmp_path_factory):
+    """``tiny_qwen_vl(family)``: a tiny random Qwen2-VL / Qwen2.5-VL / Qwen3-VL folder with a real processor and chat
+    template (:func:`models.tiny_qwen_vl.save_tiny_qwen_vl`) knowing the V-NIAH words, made once per session."""
+    folders: dict[str, object] = {}
+
+    def make(family: str):
+        from data.vniah import PHOTO_NEEDLES, QUESTIONS
+        from models.tiny_qwen_vl import save_tiny_qwen_vl
+
+        if family not in folders:
+            folder = tmp_path_factory.mktemp(family) / f"tiny-{family}"
+            folders[family] = save_tiny_qwen_vl(family, folder, texts=[QUESTIONS["needle"], *PHOTO_NEEDLES.values()],
+                                                frame=28, max_frame=56)  # fmt: skip
+        return folders[family]
+
+    return make

@@ -36,26 +36,14 @@ def vniah_set(tmp_path_factory):
                                image_every=3)  # fmt: skip
 
 
-_FOLDERS: dict = {}
 
 
-def tiny(family, tmp_path_factory):
-    from data.vniah import PHOTO_NEEDLES, QUESTIONS
-    from models.tiny_qwen_vl import save_tiny_qwen_vl
-
-    if family not in _FOLDERS:
-        folder = tmp_path_factory.mktemp(family) / f"tiny-{family}"
-        _FOLDERS[family] = save_tiny_qwen_vl(family, folder, texts=[QUESTIONS["needle"], *PHOTO_NEEDLES.values()],
-                                             frame=28, max_frame=56)  # fmt: skip
-    return _FOLDERS[family]
-
-
-def loaded(family, tmp_path_factory, variant="videorope"):
+def loaded(family, tiny_qwen_vl, variant="videorope"):
     from transformers import AutoModelForImageTextToText, AutoProcessor
 
     from vlpe.integrations import transformers as vlpe_hf
 
-    folder = tiny(family, tmp_path_factory)
+    folder = tiny_qwen_vl(family)
     processor = AutoProcessor.from_pretrained(folder, local_files_only=True)
     model = AutoModelForImageTextToText.from_pretrained(folder, local_files_only=True, dtype=torch.float32).eval()
     vlpe_hf.apply(model, variant)
@@ -83,10 +71,10 @@ def collator(model, processor, **kw):
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-def test_loss_padded_packed_and_transformers_agree(family, vniah_set, tmp_path_factory):
+def test_loss_padded_packed_and_transformers_agree(family, vniah_set, tiny_qwen_vl):
     from train.finetune import CausalLM
 
-    model, processor = loaded(family, tmp_path_factory)
+    model, processor = loaded(family, tiny_qwen_vl)
     items = items_of(vniah_set, processor, family)
     assert any("image_grid_thw" in it for it in items) and any("video_grid_thw" in it for it in items)
     lm = CausalLM(model=model)
@@ -113,8 +101,8 @@ def test_loss_padded_packed_and_transformers_agree(family, vniah_set, tmp_path_f
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-def test_collator_ids_are_the_patched_models_own(family, vniah_set, tmp_path_factory):
-    model, processor = loaded(family, tmp_path_factory, variant="mrope_i")
+def test_collator_ids_are_the_patched_models_own(family, vniah_set, tiny_qwen_vl):
+    model, processor = loaded(family, tiny_qwen_vl, variant="mrope_i")
     batch = collator(model, processor, filler=None)(items_of(vniah_set, processor, family, n=4))
     base = model.model
     kwargs = {k: batch[k] for k in ("image_grid_thw", "video_grid_thw", "second_per_grid_ts") if k in batch}
@@ -125,10 +113,10 @@ def test_collator_ids_are_the_patched_models_own(family, vniah_set, tmp_path_fac
 
 
 @pytest.mark.parametrize("family", ["qwen2_vl", "qwen3_vl"])
-def test_every_batch_runs_the_vision_tower_twice_and_the_filler_changes_nothing(family, vniah_set, tmp_path_factory):
+def test_every_batch_runs_the_vision_tower_twice_and_the_filler_changes_nothing(family, vniah_set, tiny_qwen_vl):
     from train.finetune import CausalLM
 
-    model, processor = loaded(family, tmp_path_factory)
+    model, processor = loaded(family, tiny_qwen_vl)
     items = items_of(vniah_set, processor, family)
     images = [it for it in items if "image_grid_thw" in it]
     videos = [it for it in items if "video_grid_thw" in it]
@@ -155,8 +143,8 @@ def test_every_batch_runs_the_vision_tower_twice_and_the_filler_changes_nothing(
         handle.remove()
 
 
-def test_collator_errors(vniah_set, tmp_path_factory):
-    model, processor = loaded("qwen2_vl", tmp_path_factory)
+def test_collator_errors(vniah_set, tiny_qwen_vl):
+    model, processor = loaded("qwen2_vl", tiny_qwen_vl)
     with pytest.raises(ValueError, match="every sample of this micro-batch was dropped"):
         collator(model, processor, filler=None)([None, None])
     it = items_of(vniah_set, processor, "qwen2_vl", n=1)[0]
@@ -166,11 +154,11 @@ def test_collator_errors(vniah_set, tmp_path_factory):
         collator(model, processor, filler={"labels": torch.zeros(3, dtype=torch.long)})
 
 
-def test_freeze_stops_exactly_the_named_parts(tmp_path_factory):
+def test_freeze_stops_exactly_the_named_parts(tiny_qwen_vl):
     from train.finetune import freeze
 
     for parts in (["vision"], ["merger"], ["llm"], ["vision", "merger"]):
-        model, _ = loaded("qwen3_vl", tmp_path_factory)
+        model, _ = loaded("qwen3_vl", tiny_qwen_vl)
         freeze(model, parts)
         for name, p in model.named_parameters():
             in_visual = ".visual." in f".{name}"
@@ -201,13 +189,13 @@ def test_config_refuses_keys_of_the_other_kind_of_run(tmp_path):
         load_config(VLMConfig, "configs/hf/qwen2_vl.yaml", [])
 
 
-def test_the_resume_record_follows_the_folder_and_the_data(vniah_set, tmp_path_factory, tmp_path):
+def test_the_resume_record_follows_the_folder_and_the_data(vniah_set, tiny_qwen_vl, tmp_path):
     import shutil
 
     from train.finetune import source_record
     from train.vlm import VLMConfig
 
-    folder = tiny("qwen2_vl", tmp_path_factory)
+    folder = tiny_qwen_vl("qwen2_vl")
     copy = shutil.copytree(folder, tmp_path / "copy")
     data = tmp_path / "train.json"
     data.write_text(open(vniah_set["train"]).read())
@@ -246,14 +234,14 @@ def test_optimizer_groups_read_zero3_shapes_and_drop_empty_groups():
 
 
 @pytest.mark.parametrize("variant", ["mrope_i", "mhrope", "pype"])
-def test_activation_checkpointing_gives_the_same_gradients(variant, vniah_set, tmp_path_factory):
+def test_activation_checkpointing_gives_the_same_gradients(variant, vniah_set, tiny_qwen_vl):
     """The patch's hooks (per-head rotation, per-layer tables and masks) run again in the recomputed forward of a
     checkpointed layer: the gradients equal those of the plain forward."""
     from train.finetune import CausalLM
 
     grads = []
     for checkpointing in (False, True):
-        model, processor = loaded("qwen2_vl", tmp_path_factory, variant=variant)
+        model, processor = loaded("qwen2_vl", tiny_qwen_vl, variant=variant)
         model.train()
         if checkpointing:
             model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})

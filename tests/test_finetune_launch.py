@@ -43,18 +43,6 @@ def vniah_set(tmp_path_factory):
                                image_every=4)  # fmt: skip
 
 
-_FOLDERS: dict = {}
-
-
-def tiny(family, tmp_path_factory):
-    from data.vniah import PHOTO_NEEDLES, QUESTIONS
-    from models.tiny_qwen_vl import save_tiny_qwen_vl
-
-    if family not in _FOLDERS:
-        folder = tmp_path_factory.mktemp(family) / f"tiny-{family}"
-        _FOLDERS[family] = save_tiny_qwen_vl(family, folder, texts=[QUESTIONS["needle"], *PHOTO_NEEDLES.values()],
-                                             frame=28, max_frame=56)  # fmt: skip
-    return _FOLDERS[family]
 
 
 def command(family, folder, data, out, *extra, ranks=2):
@@ -149,9 +137,9 @@ def falls(out: Path) -> tuple[float, float]:
     ("qwen3_vl", 2, False, "mhrope"),
     ("qwen3_vl", 3, True, "hope_video"),
 ])  # fmt: skip
-def test_fine_tune_on_two_ranks_exports_a_stock_folder(family, zero, packing, variant, vniah_set, tmp_path_factory,
+def test_fine_tune_on_two_ranks_exports_a_stock_folder(family, zero, packing, variant, vniah_set, tiny_qwen_vl,
                                                        tmp_path):  # fmt: skip
-    folder = tiny(family, tmp_path_factory)
+    folder = tiny_qwen_vl(family)
     out = tmp_path / "run"
     steps = 12
     r = run(command(family, folder, vniah_set, out, f"model.variant={variant}", f"train.zero_stage={zero}",
@@ -176,10 +164,10 @@ def test_fine_tune_on_two_ranks_exports_a_stock_folder(family, zero, packing, va
 
 
 @pytest.mark.slow
-def test_kill_and_resume_equals_the_uninterrupted_run_and_changes_are_refused(vniah_set, tmp_path_factory, tmp_path):
+def test_kill_and_resume_equals_the_uninterrupted_run_and_changes_are_refused(vniah_set, tiny_qwen_vl, tmp_path):
     from safetensors.torch import load_file
 
-    folder = tiny("qwen2_vl", tmp_path_factory)
+    folder = tiny_qwen_vl("qwen2_vl")
     common = ["model.variant=videorope", "train.zero_stage=3", "train.steps=8", "train.ckpt_every=3",
               "train.val_every=100", "train.freeze=[merger]", "data.packing=true"]  # fmt: skip
     ref, killed = tmp_path / "ref", tmp_path / "killed"
@@ -220,8 +208,8 @@ def test_kill_and_resume_equals_the_uninterrupted_run_and_changes_are_refused(vn
 
 
 @pytest.mark.slow
-def test_lora_exports_merged_weights_and_the_export_evaluates(vniah_set, tmp_path_factory, tmp_path):
-    folder = tiny("qwen2_vl", tmp_path_factory)
+def test_lora_exports_merged_weights_and_the_export_evaluates(vniah_set, tiny_qwen_vl, tmp_path):
+    folder = tiny_qwen_vl("qwen2_vl")
     out = tmp_path / "lora"
     run(command("qwen2_vl", folder, vniah_set, out, "model.variant=mrope_i", "train.zero_stage=2", "train.steps=4",
                 "train.val_every=4", "train.ckpt_every=4", "model.lora.enabled=true", "model.lora.r=4",
@@ -251,12 +239,13 @@ def test_lora_exports_merged_weights_and_the_export_evaluates(vniah_set, tmp_pat
 @pytest.mark.slow
 def test_held_out_exact_match_is_well_above_chance(tmp_path):
     """The CPU example of the README (the demo's run): a tiny Qwen2-VL with a wider vision tower, fine-tuned with
-    MRoPE-I on 256 needle videos for 300 steps on 2 ranks, answers the held-out needles well above chance (1/8)."""
+    MRoPE-I on 768 needle samples for 300 steps on 2 ranks, answers the held-out needles well above chance (1/8);
+    measured 56-73 % at this point over four data seeds (256 samples: 33-69 %)."""
     from data.instruct import make_vniah_instruct
     from data.vniah import PHOTO_NEEDLES, QUESTIONS
     from models.tiny_qwen_vl import save_tiny_qwen_vl
 
-    data = make_vniah_instruct(tmp_path / "set", train=256, val=64, frames=8, frame_size=56)
+    data = make_vniah_instruct(tmp_path / "set", train=768, val=64, frames=8, frame_size=56)
     folder = save_tiny_qwen_vl("qwen2_vl", tmp_path / "tiny", texts=[QUESTIONS["needle"], *PHOTO_NEEDLES.values()],
                                frame=28, max_frame=56, layers=2, vision_width=64, vision_depth=2)  # fmt: skip
     out = tmp_path / "run"
