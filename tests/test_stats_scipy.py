@@ -11,15 +11,13 @@ import importlib.metadata
 import json
 import math
 import re
-import sys
 import tomllib
 from pathlib import Path
 
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "eval"))
-import stats  # noqa: E402
+import stats  # noqa: E402  (eval/ is on pytest's pythonpath)
 
 scipy_stats = pytest.importorskip("scipy.stats")
 
