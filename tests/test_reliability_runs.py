@@ -33,14 +33,14 @@ TINY = [PY, "train/vit.py", "--config", "configs/vit_rope.yaml", *TINY_VIT, "dat
         "data.val_limit=16", "train.val_batches=1"]  # fmt: skip
 
 
-def _wait_for(what, *, proc: subprocess.Popen, log: Path, timeout: float = 180.0) -> None:
+def _wait_for(what, *, proc: subprocess.Popen, log: Path, timeout: float = 600.0) -> None:
     end = time.monotonic() + timeout
     while not what():
         if proc.poll() is not None:
             raise AssertionError(f"the first run ended (rc {proc.returncode}) before it was ready:\n"
                                  f"{log.read_text()[-3000:]}")  # fmt: skip
         if time.monotonic() > end:
-            raise AssertionError("the first run did not get ready in time")
+            raise AssertionError(f"the first run did not get ready in {timeout:.0f} s:\n{log.read_text()[-3000:]}")
         time.sleep(0.2)
 
 
@@ -78,10 +78,11 @@ def test_a_child_forked_by_the_holder_does_not_keep_the_lock_after_kill_9(tmp_pa
     from train.lock import lock_out_dir
 
     out = tmp_path / "run"
-    code = f"import os, time; from train.lock import lock_out_dir; lock_out_dir({str(out)!r}); pid = os.fork(); " \
-           f"print(pid, flush=True) if pid else None; time.sleep(600)"  # fmt: skip
+    code = f"import os, time; from train.lock import lock_out_dir; lock_out_dir({str(out)!r}); " \
+           f"print('child' if os.fork() == 0 else 'parent', os.getpid(), flush=True); time.sleep(600)"  # fmt: skip
     holder = subprocess.Popen([PY, "-c", code], cwd=ROOT, env=ENV, stdout=subprocess.PIPE, text=True)
-    child = int(holder.stdout.readline())
+    pids = dict(holder.stdout.readline().split() for _ in range(2))  # the child's line: it runs, past the fork
+    child = int(pids["child"])
     try:
         os.kill(holder.pid, signal.SIGKILL)
         holder.wait()
