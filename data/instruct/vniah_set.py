@@ -3,7 +3,8 @@ videos written as real mp4 files, plus needle images.
 
 Each video is a :class:`data.vniah.VNIAH` sample (a haystack of ``frames`` frames, one of which carries one of the
 eight scikit-image photos drawn in red; :data:`data.vniah.PHOTO_NEEDLES`) written with
-:func:`data.vniah.write_sample` (H.264, timestamps ``frame / fps``); every ``image_every``-th sample is instead the
+:func:`data.vniah.write_sample` (lossless H.264, timestamps ``frame / fps``: the decoded pixels are the frames, so
+the set is the same every time it is made, which a lossy encode was not); every ``image_every``-th sample is instead the
 needle frame alone, saved as a PNG image. The question is :data:`data.vniah.QUESTIONS` ``["needle"]`` ("What item
 is shown in red?") and the answer the needle's one-word class, so chance is 1/8. Video samples write the
 ``<video>`` placeholder, except every fourth, which writes ``<image>`` as LLaVA-Video-178K does for videos;
@@ -80,7 +81,7 @@ def make_vniah_instruct(
             kind, placeholder = "image", "<image>"
         else:
             rel = f"{sample_id}.mp4"
-            write_sample(s, media / rel)
+            write_sample(s, media / rel, lossless=True)
             kind, placeholder = "video", "<image>" if i % 4 == 1 else "<video>"
         samples.append({
             "id": sample_id, kind: rel,
