@@ -29,7 +29,9 @@ def write_video(
     Timing: ``fps`` (constant rate) or ``timestamps`` (seconds per frame, strictly increasing; written as
     millisecond presentation times, so variable gaps survive and read back with :func:`read_video`).
     ``lossless=True`` writes yuv444p at crf 0 (bit-exact up to the RGB/YUV conversion); the default
-    yuv420p / crf 18 plays everywhere but needs even height and width.
+    yuv420p / crf 18 plays everywhere but needs even height and width, and its pixels are not reproducible: two
+    writes of the same frames on one machine decoded up to 16 levels apart (write a data set that must be the same
+    every time losslessly, as :func:`data.instruct.make_vniah_instruct` does).
     """
     av = _require("av")
     frames = np.asarray(frames)
@@ -60,13 +62,10 @@ def write_video(
     with av.open(str(path), "w") as container:
         stream = container.add_stream("libx264", rate=rate)
         stream.width, stream.height, stream.pix_fmt = W, H, pix_fmt
-        stream.options = {"crf": str(int(crf)), "threads": "1"}  # threaded encoding differed from run to run too
-        stream.codec_context.thread_count = 1
+        stream.options = {"crf": str(int(crf))}
         stream.codec_context.time_base = tb
         for f, p in zip(frames, pts):
-            # converted here rather than by the encoder: its own RGB -> YUV conversion wrote slightly different
-            # pixels from run to run (up to 8 levels in some frames); a made data set must be the same file each time
-            frame = av.VideoFrame.from_ndarray(np.ascontiguousarray(f), format="rgb24").reformat(format=pix_fmt)
+            frame = av.VideoFrame.from_ndarray(np.ascontiguousarray(f), format="rgb24")
             frame.pts, frame.time_base = int(p), tb
             for packet in stream.encode(frame):
                 container.mux(packet)
