@@ -254,3 +254,18 @@ def test_activation_checkpointing_gives_the_same_gradients(variant, vniah_set, t
     assert grads[0].keys() == grads[1].keys() and len(grads[0]) > 10
     for n in grads[0]:
         torch.testing.assert_close(grads[1][n], grads[0][n], rtol=1e-5, atol=1e-6, msg=n)
+
+
+def test_load_model_refuses_what_cannot_train_here(tiny_qwen_vl, tmp_path):
+    from train.finetune import load_model
+    from train.vlm import VLMConfig
+
+    folder = tiny_qwen_vl("qwen2_vl")
+    base = [f"model.hf_model={folder}", "data.annotations=a.json", "train.zero_stage=0"]
+    cfg = load_config(VLMConfig, "configs/hf/qwen2_vl.yaml", base + ["train.freeze=[vision, merger, llm]"])
+    with pytest.raises(ConfigError, match="leaves no parameter to train"):
+        load_model(cfg, None)
+    if not torch.cuda.is_available():  # flash-attention-2 is a GPU kernel: said before anything loads
+        cfg = load_config(VLMConfig, "configs/hf/qwen2_vl.yaml", base + ["model.attn_implementation=flash_attention_2"])
+        with pytest.raises(ConfigError, match="needs a CUDA GPU and the flash-attn package"):
+            load_model(cfg, None)

@@ -138,6 +138,15 @@ def load_model(cfg, ds_config: dict | None):
         from transformers.integrations import HfDeepSpeedConfig
 
         keep = HfDeepSpeedConfig(ds_config)  # from_pretrained loads into ZeRO-3 partitions while it lives
+    if m.attn_implementation == "flash_attention_2":
+        from transformers.utils import is_flash_attn_2_available
+
+        if not torch.cuda.is_available() or not is_flash_attn_2_available():
+            raise ConfigError(
+                "model.attn_implementation=flash_attention_2 needs a CUDA GPU and the flash-attn package "
+                f"(cuda available: {torch.cuda.is_available()}, flash-attn usable: {is_flash_attn_2_available()}); "
+                "use sdpa here (packing stays exact under sdpa)"
+            )
     processor = AutoProcessor.from_pretrained(folder, local_files_only=True)
     if getattr(processor, "tokenizer", None) is None or getattr(processor, "chat_template", None) is None:
         raise ConfigError(
@@ -151,6 +160,8 @@ def load_model(cfg, ds_config: dict | None):
     if m.lora.enabled:
         model = _lora(model, m.lora, zero_stage=t.zero_stage)
     counts = freeze(model, list(t.freeze)) if t.freeze else None
+    if not any(p.requires_grad for p in model.parameters()):
+        raise ConfigError(f"train.freeze={list(t.freeze)} leaves no parameter to train; freeze fewer parts")
     if t.gradient_checkpointing:
         model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
         if m.lora.enabled or "llm" in t.freeze:
