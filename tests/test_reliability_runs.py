@@ -79,8 +79,11 @@ def test_a_child_forked_by_the_holder_does_not_keep_the_lock_after_kill_9(tmp_pa
 
     out = tmp_path / "run"
     code = f"import os, time; from train.lock import lock_out_dir; lock_out_dir({str(out)!r}); " \
-           f"print('child' if os.fork() == 0 else 'parent', os.getpid(), flush=True); time.sleep(600)"  # fmt: skip
+           "who = 'child' if os.fork() == 0 else 'parent'; " \
+           "os.write(1, (who + ' ' + str(os.getpid()) + chr(10)).encode()); time.sleep(600)"  # fmt: skip
     holder = subprocess.Popen([PY, "-c", code], cwd=ROOT, env=ENV, stdout=subprocess.PIPE, text=True)
+    # one write(2) per process: print() under PYTHONUNBUFFERED writes its pieces one by one, and the two
+    # processes' pieces interleaved on the pipe
     pids = dict(holder.stdout.readline().split() for _ in range(2))  # the child's line: it runs, past the fork
     child = int(pids["child"])
     try:
