@@ -12,8 +12,9 @@ the per-seed values and a hierarchical-bootstrap interval beside it. Accuracies 
 * ``points``: conditions = z rotation at the training point count (``in_distribution``), SO(3) rotation, 2x / 4x
   points; ``extrapolated`` = the mean over the shifted conditions, one cell per condition and ``so3_minus_z``.
 
-Claims are paired differences (:func:`stats.paired`) of two rows on the same seeds and items, in percentage
-points, with the verdict from the t interval (:func:`stats.verdict`).
+Claims (:mod:`claims`) are paired differences (:func:`stats.paired`) of two rows on the same seeds and items, in
+percentage points, decided sequentially (:mod:`sequential`: Haybittle-Peto looks, Holm across claims, TOST against
+each claim's margin).
 """
 
 from __future__ import annotations
@@ -23,7 +24,9 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from stats import Cell, cell, paired, seeds_needed, unpack_bits, verdict
+from claims import CLAIMS, DESIGN, Claim, Design, fingerprint
+from sequential import decide, select_records
+from stats import Cell, cell, paired, unpack_bits
 
 __all__ = ["Condition", "family_matrices", "summarize_family", "Claim", "CLAIMS", "evaluate_claims"]
 
@@ -184,95 +187,74 @@ def _contrast_cell(mats: Sequence[np.ndarray], w: np.ndarray, **kw) -> Cell:
 # ------------------------------------------------------------------------------------------------------------
 
 
-@dataclass(frozen=True)
-class Claim:
-    """``better`` beats ``other`` on ``metric`` (a selector name or a condition key of ``family``); with
-    ``contrast`` the compared quantity is the row's own contrast (e.g. ``so3_minus_z``)."""
-
-    claim: str
-    paper: str
-    family: str
-    better: str
-    other: str
-    metric: str
-    described: str  # what the difference measures, in words
-
-
-#: The precision every claim must reach: a 95 % half-width of at most this many percentage points. Each claim
-#: records whether it does (``precision_met``) and, from its per-seed spread, how many seeds would (``seeds_needed``).
-PRECISION = 3.0
-
-CLAIMS: tuple[Claim, ...] = (
-    Claim("LookHere > 2D RoPE at 4.57x the training resolution",
-          "Fuller et al., NeurIPS 2024: +21.7 points top-1 over 2D RoPE at 1024 px after training at 224 px",
-          "vit", "lookhere", "rope", "x4.57", "top-1 at 4.57x, LookHere minus RoPE"),
-    Claim("PaPE > LookHere at 4.57x", "Øhrstrøm et al. 2026: up to +10.5 points over the next-best encoding "
-          "(LookHere) at 4.57x", "vit", "pape", "lookhere", "x4.57", "top-1 at 4.57x, PaPE minus LookHere"),
-    Claim("CPVT/PEG holds at higher resolution where APE drops",
-          "Chu et al., ICLR 2023: PEG keeps its accuracy at larger test sizes, interpolated APE degrades",
-          "vit", "peg", "ape", "extrapolated", "top-1 averaged over the test sizes above 1x, PEG minus APE"),
-    Claim("VideoRoPE > MRoPE on V-NIAH", "Wei et al., ICML 2025: V-NIAH 91.1 vs 78.7 for M-RoPE",
-          "vlm", "videorope", "mrope", "extrapolated", "V-NIAH beyond the training length, VideoRoPE minus MRoPE"),
-    Claim("VideoRoPE > MRoPE on V-NIAH-D", "Wei et al., ICML 2025: V-NIAH-D 87.1 vs 74.7 for M-RoPE",
-          "vlm", "videorope", "mrope", "v_niah_d_extrapolated",
-          "V-NIAH-D beyond the training length, VideoRoPE minus MRoPE"),
-    Claim("HoPE > MRoPE", "Li et al., NeurIPS 2025: HoPE retrieves better than M-RoPE beyond the training length",
-          "vlm", "hope_video", "mrope", "extrapolated", "V-NIAH beyond the training length, HoPE minus MRoPE"),
-    Claim("MRoPE-I > MRoPE", "Huang et al., ICLR 2026: interleaved allocation extrapolates better than chunked "
-          "M-RoPE", "vlm", "mrope_i", "mrope", "extrapolated", "V-NIAH beyond the training length, MRoPE-I minus MRoPE"),
-    Claim("PaPE-RI robust to SO(3)", "Øhrstrøm et al. 2026: the rotation-invariant variant keeps its accuracy under "
-          "rotations it was not trained on", "points", "pape_ri", "pape", "so3_minus_z",
-          "change of top-1 from z to unseen SO(3) test rotations, PaPE-RI minus PaPE"),
-)  # fmt: skip
+def _claim_values(cl: Claim, conds, rows, sel, seeds: list[int], **kw) -> Cell:
+    """The paired cell of ``cl`` over ``seeds``: per-seed ``better - other`` on the claim's metric (fractions)."""
+    a = [rows[cl.better][s] for s in seeds]
+    b = [rows[cl.other][s] for s in seeds]
+    keys = [c.key for c in conds]
+    if cl.metric in sel:
+        w = sel[cl.metric]
+    elif cl.metric in keys:
+        w = np.eye(len(conds))[keys.index(cl.metric)]
+    else:
+        raise ValueError(f"claim {cl.claim!r}: metric {cl.metric!r} is neither a summary cell nor a condition")
+    if (w < 0).any():  # a within-row contrast compared between the rows: w . acc(A) - w . acc(B)
+        stacked = [np.concatenate([x, y]) for x, y in zip(a, b)]  # (2C, items): A's conditions, then B's
+        both = np.concatenate([w, -w])
+        return paired(stacked, stacked, both, np.zeros_like(both), **kw)
+    return paired(a, b, w, **kw)
 
 
 def evaluate_claims(records: dict[str, Sequence[dict]], claims: Sequence[Claim] = CLAIMS, *,
-                    reps: int | None = None) -> list[dict[str, Any]]:  # fmt: skip
-    """``[{"claim", "paper", "diff", "ci95", "verdict", ...}]`` in percentage points; rows or families not measured
+                    reps: int | None = None, design: Design = DESIGN) -> list[dict[str, Any]]:  # fmt: skip
+    """One entry per registered claim, in points: the sequential decision (:func:`sequential.decide`) from the
+    records of the current claims protocol (:func:`sequential.select_records`; the refused ones are listed in
+    ``refused`` of every entry's family), with ``diff``, ``ci95`` (95 % t interval), ``ci95_bootstrap``,
+    ``per_seed``, ``seed_sd`` over the seeds of the look the verdict was reached at. Rows or families not measured
     give ``verdict: "not measured"`` with the reason."""
     kw = {} if reps is None else {"reps": reps}
-    out = []
+    fp = fingerprint(tuple(claims), design)
+    used, refused = select_records(records, design=design, current=fp)
     cache: dict[str, tuple] = {}
+    bases, per_seed, reasons, row_seeds = [], [], [], []
     for cl in claims:
-        base = {"claim": cl.claim, "paper": cl.paper, "family": cl.family, "better": cl.better, "other": cl.other,
-                "metric": cl.metric, "measures": cl.described}  # fmt: skip
-        recs = records.get(cl.family) or []
-        if not recs:
-            out.append({**base, "diff": None, "ci95": None, "verdict": "not measured",
-                        "reason": f"no {cl.family} results"})  # fmt: skip
-            continue
-        if cl.family not in cache:
+        bases.append({"claim": cl.claim, "paper": cl.paper, "family": cl.family, "better": cl.better,
+                      "other": cl.other, "direction": f"{cl.better} > {cl.other}", "metric": cl.metric,
+                      "measures": cl.described, "margin": cl.margin, "cap": cl.cap, "protocol": fp})  # fmt: skip
+        recs = used.get(cl.family) or []
+        if cl.family not in cache and recs:
             conds, rows = family_matrices(cl.family, recs)
             cache[cl.family] = (conds, rows, family_selectors(cl.family, conds, _meta(cl.family, recs)))
-        conds, rows, sel = cache[cl.family]
+        rows = cache[cl.family][1] if recs else {}
         missing = [r for r in (cl.better, cl.other) if r not in rows]
-        if missing:
-            out.append({**base, "diff": None, "ci95": None, "verdict": "not measured",
-                        "reason": f"no runs of {', '.join(missing)}"})  # fmt: skip
+        row_seeds.append({r: sorted(rows.get(r, {})) for r in (cl.better, cl.other)})
+        if not recs or missing:
+            per_seed.append(None)
+            reasons.append(f"no {cl.family} results" if not recs else f"no runs of {', '.join(missing)}")
             continue
+        conds, rows, sel = cache[cl.family]
         seeds = sorted(set(rows[cl.better]) & set(rows[cl.other]))
-        a = [rows[cl.better][s] for s in seeds]
-        b = [rows[cl.other][s] for s in seeds]
-        keys = [c.key for c in conds]
-        if cl.metric in sel:
-            w = sel[cl.metric]
-        elif cl.metric in keys:
-            w = np.eye(len(conds))[keys.index(cl.metric)]
-        else:
-            raise ValueError(f"claim {cl.claim!r}: metric {cl.metric!r} is neither a summary cell nor a condition")
-        if (w < 0).any():  # a within-row contrast compared between the rows: w . acc(A) - w . acc(B)
-            stacked = [np.concatenate([x, y]) for x, y in zip(a, b)]  # (2C, items): A's conditions, then B's
-            both = np.concatenate([w, -w])
-            c = paired(stacked, stacked, both, np.zeros_like(both), **kw)
-        else:
-            c = paired(a, b, w, **kw)
-        ci = None if c["ci95"] is None else [100 * c["ci95"][0], 100 * c["ci95"][1]]
-        hw = None if ci is None else (ci[1] - ci[0]) / 2
-        sd = float(np.std(100 * np.asarray(c["per_seed"]), ddof=1)) if len(c["per_seed"]) > 1 else None
-        out.append({**base, "diff": 100 * c["mean"], "ci95": ci, "half_width": hw,
-                    "precision_target": PRECISION, "precision_met": hw is not None and hw <= PRECISION,
-                    "seed_sd": sd, "seeds_needed": None if sd is None else seeds_needed(sd, PRECISION),
-                    "ci95_bootstrap": [100 * x for x in c["ci95_bootstrap"]], "seeds": seeds,
-                    "items_per_seed": c["items"], "per_seed": [100 * x for x in c["per_seed"]],
-                    "verdict": verdict(c["ci95"])})  # fmt: skip
+        c = _claim_values(cl, conds, rows, sel, seeds, reps=2)  # per-seed values only; the bootstrap is below
+        per_seed.append(dict(zip(seeds, (100 * v for v in c["per_seed"]))))
+        reasons.append(None)
+    decisions = decide(per_seed, tuple(claims), design=design)
+    out = []
+    for cl, base, dec, reason, have in zip(claims, bases, decisions, reasons, row_seeds):
+        entry = {**base, "row_seeds": have}
+        if dec["verdict"] == "not measured":
+            out.append({**entry, "verdict": "not measured", "reason": reason, "diff": None, "ci95": None,
+                        "seeds": [], "look": None})  # fmt: skip
+            continue
+        conds, rows, sel = cache[cl.family]
+        c = _claim_values(cl, conds, rows, sel, dec["seeds"], **kw)
+        ps = [100 * v for v in c["per_seed"]]
+        out.append({**entry, "verdict": dec["verdict"], "diff": dec["diff"], "ci95": dec["ci95"],
+                    "half_width": None if dec["ci95"] is None else (dec["ci95"][1] - dec["ci95"][0]) / 2,
+                    "seeds": dec["seeds"], "look": dec["look"], "looks": list(design.looks),
+                    "alpha_look": dec["alpha_look"], "ci_rule": dec["ci_rule"], "ci_tost": dec["ci_tost"],
+                    "next_look": dec["next_look"], "ci95_bootstrap": [100 * x for x in c["ci95_bootstrap"]],
+                    "items_per_seed": c["items"], "per_seed": ps,
+                    "seed_sd": float(np.std(ps, ddof=1)) if len(ps) > 1 else None})  # fmt: skip
+    for e in out:
+        e["refused"] = [r for r in refused if r.startswith(e["family"] + "/")]
     return out

@@ -4,7 +4,9 @@ and seeds behind every point, chance level, and draws the 95 % intervals (Studen
 * ``vit/resolution.png``: top-1 against test size / training size, one line per row, shaded intervals;
 * ``vlm/accuracy_vs_length.png``: V-NIAH and V-NIAH-D exact match against video length, training length marked;
 * ``vlm/heatmap_<row>.png``: depth x length grids (mean over seeds), the training length as a vertical line;
-* ``points/conditions.png``: top-1 per test condition, one group of bars per row, interval whiskers.
+* ``points/conditions.png``: top-1 per test condition, one group of bars per row, interval whiskers;
+* ``claims.png`` (from ``results/claims.json``): every claim's difference with its 95 % interval (thick) and the
+  interval at the level its look used (thin), against its ``+-margin`` band and 0, the verdict beside it.
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Sequence
 
-__all__ = ["plot_vit", "plot_vlm", "plot_vlm_heatmaps", "plot_points"]
+__all__ = ["plot_vit", "plot_vlm", "plot_vlm_heatmaps", "plot_points", "plot_claims"]
 
 
 def _plt():
@@ -167,3 +169,45 @@ def heat_grids(records: Sequence[dict]) -> dict[str, dict[str, Any]]:
                     for i in range(len(grids[0]))]  # fmt: skip
             out.setdefault(r, {})[t] = {"grid": mean, "seeds": len(grids)}
     return out
+
+
+VERDICT_COLORS = {"agrees": "tab:green", "disagrees": "tab:red", "equivalent": "tab:blue", "unresolved": "tab:orange",
+                  "open": "tab:gray", "not measured": "lightgray"}  # fmt: skip
+
+
+def plot_claims(claims: Sequence[dict[str, Any]], path: Path, *, span: float = 60.0) -> Path:
+    """One line per claim (top to bottom in registry order): the margin band, the interval at the look's level
+    (thin, clipped to ``+-span`` points with an arrow where it goes further), the 95 % interval (thick) and the
+    difference (dot), coloured by verdict."""
+    plt = _plt()
+    n = len(claims)
+    fig, ax = plt.subplots(figsize=(9.0, 0.42 * n + 1.4))
+    for i, c in enumerate(claims):
+        y = n - 1 - i
+        ax.add_patch(plt.Rectangle((-c["margin"], y - 0.32), 2 * c["margin"], 0.64, color="0.88", lw=0, zorder=0))
+        color = VERDICT_COLORS.get(c["verdict"], "k")
+        tail = c["verdict"] if c.get("look") is None else f"{c['verdict']}, look {c['look']}, {len(c['seeds'])} seeds"
+        ax.text(span * 1.02, y, tail, va="center", fontsize=7, color=color)
+        if c.get("diff") is None:
+            continue
+        if c.get("ci_rule"):
+            lo, hi = c["ci_rule"]
+            ax.plot([max(lo, -span), min(hi, span)], [y, y], color=color, lw=1, zorder=2)
+            for end, edge in ((lo, -span), (hi, span)):
+                if abs(end) > span:
+                    ax.annotate("", (edge, y), (edge - 3 * (edge > 0) + 3 * (edge < 0), y),
+                                arrowprops={"arrowstyle": "->", "color": color, "lw": 1})  # fmt: skip
+        if c.get("ci95"):
+            ax.plot([max(c["ci95"][0], -span), min(c["ci95"][1], span)], [y, y], color=color, lw=4, zorder=3)
+        ax.plot([c["diff"]], [y], "o", color="k", ms=4, zorder=4)
+    ax.axvline(0, color="k", lw=1)
+    ax.set_yticks(range(n), [c["claim"] for c in reversed(claims)], fontsize=7)
+    ax.set_xlim(-span, span)
+    ax.set_ylim(-0.7, n - 0.3)
+    ax.set_xlabel("paired difference, claimed better minus other (points); grey: ±margin")
+    ax.set_title("Paper claims: 95 % interval (thick), interval at the look's level (thin), per-claim margin",
+                 fontsize=9)
+    ax.grid(alpha=0.3, axis="x")
+    fig.tight_layout()
+    fig.subplots_adjust(right=0.78)
+    return _save(fig, path)

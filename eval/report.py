@@ -4,13 +4,16 @@
     make bench FAMILY=vit                        # one family at a time
     python eval/report.py --suite --families vlm --encodings mrope videorope --seeds 2   # a subset
     python eval/report.py                        # rewrite results/ and the README section from the records
+    python eval/report.py --next-look            # the runs the open claims' next look needs (trains nothing)
 
 Protocols (data, model, steps, test conditions, items per seed, seeds) live in :mod:`protocols`; running in
 :mod:`suite` (one durable record per (encoding, seed) under ``results/<family>/runs/``, reused when its
 fingerprint matches); statistics in :mod:`stats` (Student-t 95 % intervals over seeds whose test items are
-disjoint, hierarchical bootstrap beside them, paired differences for claims); cells and claims in
-:mod:`aggregate`; figures in :mod:`plots`. This file writes ``results/summary.json``, ``results/claims.json``,
-``results/protocol.json``, ``results/timing.json``, ``results/<family>/table.md`` and the figures, and the README
+disjoint, hierarchical bootstrap beside them, paired differences for claims); the pre-registered claims in
+:mod:`claims`, their sequential decisions in :mod:`sequential`; cells and claims in :mod:`aggregate`; figures in
+:mod:`plots`. This file writes ``results/summary.json``, ``results/claims.json``,
+``results/protocol.json``, ``results/timing.json``, ``results/<family>/table.md`` and the figures
+(``results/claims.png`` among them), and the README
 section between ``<!-- results:start -->`` and ``<!-- results:end -->`` (nothing outside the markers changes).
 """
 
@@ -24,10 +27,12 @@ import time
 from pathlib import Path
 from typing import Any, Sequence
 
-from aggregate import PRECISION, evaluate_claims, summarize_family
+from aggregate import evaluate_claims, summarize_family
+from claims import CLAIMS, DESIGN, MARGINS
 from common import markdown_table, write_json
-from plots import heat_grids, plot_points, plot_vit, plot_vlm, plot_vlm_heatmaps
+from plots import heat_grids, plot_claims, plot_points, plot_vit, plot_vlm, plot_vlm_heatmaps
 from protocols import FAMILIES, PROTOCOLS, describe
+from sequential import next_look_runs
 from suite import load_records, plan, run_jobs
 
 __all__ = ["START", "END", "CORES", "report", "timing", "readme_section", "update_readme", "main"]
@@ -69,18 +74,44 @@ def family_table(fam: str, summary: dict[str, Any]) -> str:
     return markdown_table(["row", "seeds"] + [h for _, h in cols], body)
 
 
+def _iv(ci: Sequence[float] | None) -> str:
+    return "–" if ci is None else f"[{ci[0]:+.1f}, {ci[1]:+.1f}]"
+
+
 def claims_table(claims: Sequence[dict]) -> str:
     body = []
     for c in claims:
         if c["diff"] is None:
-            body.append([c["claim"], c["paper"], "–", "–", f"not measured ({c['reason']})", "–"])
+            body.append([c["claim"], c["paper"], f"±{c['margin']:g}", "–", "–", "–", "–",
+                         f"not measured ({c['reason']})"])  # fmt: skip
             continue
-        ci = "– (1 seed)" if c["ci95"] is None else (f"[{c['ci95'][0]:+.1f}, {c['ci95'][1]:+.1f}] "
-                                                    f"(±{c['half_width']:.1f})")  # fmt: skip
-        need = "–" if c.get("seeds_needed") is None else f"{c['seeds_needed']} (sd {c['seed_sd']:.1f})"
-        body.append([c["claim"], c["paper"], f"{c['diff']:+.1f}", ci, f"**{c['verdict']}**", need])
-    return markdown_table(["claim", "paper", "measured difference (points)", "95 % interval", "verdict",
-                           f"seeds for ±{PRECISION:g} at this spread"], body)  # fmt: skip
+        look = "–" if c["look"] is None else f"{c['look']} of {len(c['looks'])}"
+        rule = "–" if c.get("ci_rule") is None else f"{_iv(c['ci_rule'])} (α {c['alpha_look']:.2g})"
+        body.append([c["claim"], c["paper"], f"±{c['margin']:g}", f"{c['diff']:+.1f}", _iv(c["ci95"]), rule,
+                     f"{len(c['seeds'])} (look {look}, cap {c['cap']})", f"**{c['verdict']}**"])  # fmt: skip
+    return markdown_table(["claim", "paper", "margin (points)", "measured difference (points)", "95 % interval",
+                           "interval at the look's level", "seeds per row", "verdict"], body)  # fmt: skip
+
+
+def design_text(claims: Sequence[dict]) -> str:
+    """The sequential design in words, from :data:`claims.DESIGN` (README)."""
+    d = DESIGN
+    fp = claims[0]["protocol"] if claims else "–"
+    final = 1 - d.interim * (len(d.looks) - 1)
+    return (f"Each claim is a paired difference of two rows (same seeds, same test items), pre-registered in "
+            f"`eval/claims.py` with the paper's direction and an equivalence margin (±{MARGINS['top1']:g} points of "
+            f"top-1, ±{MARGINS['v_niah']:g} of V-NIAH exact match: the principle is stated there). Seeds come in "
+            f"looks of {', '.join(map(str, d.looks))} per row, each claim up to its cap. At a look a claim is "
+            f"`agrees` / `disagrees` when Holm's step-down across the {len(claims)} claims (family-wise α "
+            f"{d.alpha:g} for the sign decisions) rejects no difference at the look's Haybittle-Peto level ("
+            f"{d.interim:g} of the claim's level at an interim look, the remaining {final:.2f} at its cap), "
+            f"`equivalent` when the TOST interval at that level lies inside ±margin, `unresolved` when its cap is "
+            f"reached undecided, `open` below the cap (more seeds: `python eval/report.py --next-look` lists them). "
+            f"The 95 % interval is the plain Student-t one over the look's seeds; the interval at the look's level "
+            f"is the one the rule reads. Decisions use the records of claims protocol `{fp}` (records written before "
+            f"it count for the first look only). These are small CPU-sized models, not the papers' settings; the "
+            f"protocols were fixed before the comparison and are not tuned toward any sign. Per-seed differences: "
+            f"`results/claims.json` (`per_seed`).")  # fmt: skip
 
 
 def timing(records: dict[str, list[dict]], planned: dict[str, int]) -> dict[str, Any]:
@@ -133,6 +164,7 @@ def report(results: Path, *, readme: Path | None, families: Sequence[str] = FAMI
     write_json(summary_path, summary)
     claims = evaluate_claims({f: records[f] for f in FAMILIES}, reps=reps)
     write_json(results / "claims.json", claims)
+    plot_claims(claims, results / "claims.png")
     write_json(results / "protocol.json", {f: describe(PROTOCOLS[f]) for f in FAMILIES})
     planned = {f: len(PROTOCOLS[f].encodings) * PROTOCOLS[f].seeds for f in FAMILIES}
     t = timing(records, planned)
@@ -173,13 +205,8 @@ def readme_section(summary: dict[str, Any], claims: Sequence[dict], t: dict[str,
         conv = convergence(s)
         if conv:
             lines += [conv, ""]
-    lines += ["### Do the measurements agree with the papers?", "",
-              "Each claim is a paired difference of two rows (same seeds, same test items; `results/claims.json`). "
-              "Verdict: `agrees` when the 95 % interval lies above 0, `disagrees` below, `unresolved` when it "
-              "contains 0. These are small CPU-sized models, not the papers' settings; the protocols were fixed "
-              "before the comparison and are not tuned toward any sign. Each claim's per-seed differences are in "
-              "`results/claims.json` (`per_seed`): a wide interval means the sign changes from seed to seed.", "",
-              claims_table(claims), ""]  # fmt: skip
+    lines += ["### Do the measurements agree with the papers?", "", design_text(claims), "", claims_table(claims), "",
+              "![every claim's interval against its margin](results/claims.png)", ""]
     lines += ["### Cost", "", _timing_text(t), ""]
     return "\n".join(lines).rstrip() + "\n"
 
@@ -257,9 +284,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--reevaluate", action="store_true",
                    help="evaluate again every planned run whose weights are under --runs (after a change to the "
                         "evaluation code; the training is reused, runs without weights keep their records)")
+    p.add_argument("--next-look", action="store_true",
+                   help="print the runs (family, row, seed) the open claims' next look needs, from results/claims.json")
     p.add_argument("--no-progress", action="store_true")
     args = p.parse_args(argv)
     results = Path(args.results)
+    if args.next_look:
+        entries = json.loads((results / "claims.json").read_text())
+        for fam, row, seed in next_look_runs(entries, CLAIMS):
+            enc = next((r.encoding for r in PROTOCOLS[fam].rows if r.name == row), row)
+            print(f"{fam} {row} seed {seed}" + (f" (a run of {enc})" if enc != row else ""))
+        return 0
     readme = Path(args.readme) if args.readme else None
     wall = None
     failed: list[str] = []

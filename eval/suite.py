@@ -5,7 +5,10 @@ A *job* is one (family, encoding, seed). It trains ``train/<script>.py`` with th
 every row of that encoding in one process (``eval/<evaluator>.py`` with the seed's own test items and one
 ``--scaling`` per row). The outcome, with every per-item result and the CPU time spent, is written to
 ``results/<family>/runs/<encoding>_seed<k>.json``: that file is what the report reads and what is committed, so a
-later ``make bench`` (another machine, another day) reuses it without training again. A record is reused when its
+later ``make bench`` (another machine, another day) reuses it without training again. A record also stores the
+fingerprint of the claims protocol it was run under (:func:`claims.fingerprint`; the decisions use only the current
+one's records, :func:`sequential.select_records`) and its provenance (:func:`provenance`: commit, library
+versions, CPU model, threads). A record is reused when its
 training fingerprint (overrides + config files) and evaluation arguments match the protocol; ``--fresh``
 redoes it. Jobs run ``jobs`` at a time with one thread each (the fastest use of a small CPU machine).
 """
@@ -23,9 +26,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
+from claims import fingerprint as claims_fingerprint
 from protocols import PROTOCOLS, ROOT, Protocol, config_path, train_fingerprint
 
-__all__ = ["Job", "plan", "record_path", "load_records", "run_jobs", "job_command_train", "job_command_eval"]
+__all__ = ["Job", "plan", "record_path", "load_records", "run_jobs", "job_command_train", "job_command_eval",
+           "provenance"]
 
 
 @dataclass(frozen=True)
@@ -158,6 +163,45 @@ def _val_curve(run_dir: Path) -> list[list[float]]:
     return out
 
 
+def _git(*args: str) -> str | None:
+    try:
+        out = subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return out.stdout.strip() if out.returncode == 0 else None
+
+
+def _cpu_model() -> str | None:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    import platform
+
+    return platform.processor() or None
+
+
+def provenance(threads: int) -> dict[str, Any]:
+    """Where a record came from: the commit (``git rev-parse HEAD``) and whether tracked files differed from it
+    (``dirty``), the torch / DeepSpeed / transformers versions (None when not installed), Python, the CPU model
+    (``/proc/cpuinfo``) and the threads each run had."""
+    import importlib.metadata as md
+    import platform
+
+    def version(name: str) -> str | None:
+        try:
+            return md.version(name)
+        except md.PackageNotFoundError:
+            return None
+
+    status = _git("status", "--porcelain", "--untracked-files=no")
+    return {"commit": _git("rev-parse", "HEAD"), "dirty": None if status is None else bool(status),
+            "torch": version("torch"), "deepspeed": version("deepspeed"), "transformers": version("transformers"),
+            "python": platform.python_version(), "cpu": _cpu_model(), "threads": int(threads)}  # fmt: skip
+
+
 def _strip(ev: dict) -> dict:
     """An evaluation without machine-local paths."""
     return {k: v for k, v in ev.items() if k not in ("run",)}
@@ -211,7 +255,8 @@ def execute(
     record = {
         "family": job.family, "encoding": job.encoding, "seed": job.seed, "fingerprint": job.fingerprint,
         "train_overrides": list(job.protocol.train), "eval_args": job.eval_args, "timing": timing,
-        "val_curve": _val_curve(run_dir), "rows": rows,
+        "val_curve": _val_curve(run_dir), "rows": rows, "claims_fingerprint": claims_fingerprint(),
+        "provenance": provenance(threads),
     }  # fmt: skip
     rec_path.parent.mkdir(parents=True, exist_ok=True)
     tmp = rec_path.with_suffix(".tmp")

@@ -3,12 +3,15 @@
 What is checked:
 - summary.json has the schema the README promises (families -> rows -> in_distribution / extrapolated / per-condition
   cells, each with mean, std, n, ci95), accuracies as fractions, means computed by hand from the outcomes;
-- claims.json has one entry per paper claim with diff / ci95 in points; swapping the two rows' outcomes flips the
-  sign and the verdict; a claim whose rows are missing says "not measured";
+- claims.json has one entry per registered claim (eval/claims.py) with verdict, diff, ci95, seeds, look and margin in
+  points; with the first look's 5 seeds of a constant difference the claim is decided there; swapping the two rows'
+  outcomes flips the sign and the verdict; a claim whose rows are missing says "not measured"; a record of another
+  claims protocol is left out of the decisions (and listed) but stays in the summary tables;
 - the PaPE-RI claim is the difference of the two rows' (SO(3) - z) contrasts, by hand;
 - the README: only the text between the markers changes; a second report with the same records changes nothing;
 - the suite: a job whose record matches its fingerprint is neither trained nor evaluated again; a stale record is
-  redone; records of another protocol are ignored by the report.
+  redone; records of another protocol are ignored by the report; a new record stores the claims fingerprint and its
+  provenance (commit, library versions, CPU model, threads).
 """
 
 from __future__ import annotations
@@ -21,9 +24,9 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 
-import aggregate  # noqa: E402
 import report  # noqa: E402
 import suite  # noqa: E402
+from claims import CLAIMS, fingerprint  # noqa: E402
 from protocols import PROTOCOLS  # noqa: E402
 from stats import pack_bits  # noqa: E402
 
@@ -79,7 +82,7 @@ def make_results(root: Path, *, lookhere_wins: bool = True) -> Path:
     results = root / "results"
     good, bad = [0.9, 0.7, 0.6], [0.9, 0.5, 0.2]
     lh, rope = (good, bad) if lookhere_wins else (bad, good)
-    for s in range(3):
+    for s in range(5):  # the first look of the claims' design
         d = 0.025 * s
         write_record(results, "vit", "lookhere", s, {"lookhere": vit_ev([a - d for a in lh], s, 0)})
         write_record(results, "vit", "rope", s, {"rope": vit_ev([a - d for a in rope], s, 100),
@@ -99,9 +102,9 @@ def test_summary_schema_and_hand_computed_means(tmp_path):
     lh = summary["families"]["vit"]["rows"]["lookhere"]
     for key in ("in_distribution", "extrapolated", "x1", "x2", "x4.57"):
         assert {"mean", "std", "n", "ci95"} <= set(lh[key]), key
-        assert lh[key]["n"] == 3 and len(lh[key]["ci95"]) == 2
+        assert lh[key]["n"] == 5 and len(lh[key]["ci95"]) == 2
     # per seed s the accuracies are exactly round((a - 0.025 s) * 40) / 40
-    per_seed = [[round((a - 0.025 * s) * N) / N for a in (0.9, 0.7, 0.6)] for s in range(3)]
+    per_seed = [[round((a - 0.025 * s) * N) / N for a in (0.9, 0.7, 0.6)] for s in range(5)]
     assert lh["in_distribution"]["mean"] == pytest.approx(np.mean([p[0] for p in per_seed]))
     assert lh["extrapolated"]["mean"] == pytest.approx(np.mean([(p[1] + p[2]) / 2 for p in per_seed]))
     assert lh["x4.57"]["std"] == pytest.approx(np.std([p[2] for p in per_seed], ddof=1))
@@ -129,12 +132,15 @@ def test_claims_follow_the_measurements(tmp_path):
     results = make_results(tmp_path / "a", lookhere_wins=True)
     report.report(results, readme=None, reps=200)
     claims = json.loads((results / "claims.json").read_text())
-    assert len(claims) == len(aggregate.CLAIMS)
+    assert [c["claim"] for c in claims] == [c.claim for c in CLAIMS]
     for c in claims:
-        assert {"claim", "paper", "diff", "ci95", "verdict"} <= set(c)
+        assert {"claim", "paper", "diff", "ci95", "verdict", "seeds", "look", "margin"} <= set(c)
+        assert c["verdict"] in ("agrees", "disagrees", "equivalent", "unresolved", "open", "not measured")
+        assert "precision_met" not in c and "seeds_needed" not in c  # the retired fixed-precision target
     lh = _claim(claims, "LookHere > 2D RoPE")
-    assert lh["diff"] == pytest.approx(100 * (0.6 - 0.2), abs=1e-9)
-    assert lh["verdict"] == "agrees" and lh["ci95"][0] > 0
+    assert lh["diff"] == pytest.approx(100 * (0.6 - 0.2), abs=1e-9)  # the same 0.4 on every seed: sd 0
+    assert lh["verdict"] == "agrees" and lh["ci95"][0] > 0 and lh["look"] == 1 and lh["seeds"] == [0, 1, 2, 3, 4]
+    assert lh["margin"] == 5.0 and lh["alpha_look"] == pytest.approx(0.02 * 0.05 / len(CLAIMS))
     vr = _claim(claims, "VideoRoPE > MRoPE on V-NIAH-D")
     assert vr["diff"] == pytest.approx(100 * ((0.8 + 0.6) / 2 - (0.6 + 0.3) / 2))
     ri = _claim(claims, "PaPE-RI robust")
@@ -142,11 +148,27 @@ def test_claims_follow_the_measurements(tmp_path):
     assert ri["verdict"] == "agrees"
     assert _claim(claims, "PaPE > LookHere")["verdict"] == "not measured"
     assert _claim(claims, "HoPE")["verdict"] == "not measured"
+    assert (results / "claims.png").stat().st_size > 1000
 
     flipped = make_results(tmp_path / "b", lookhere_wins=False)
     report.report(flipped, readme=None, reps=200)
     lh2 = _claim(json.loads((flipped / "claims.json").read_text()), "LookHere > 2D RoPE")
     assert lh2["diff"] == pytest.approx(-lh["diff"]) and lh2["verdict"] == "disagrees"
+
+
+def test_records_of_another_claims_protocol_stay_out_of_the_decisions(tmp_path):
+    results = make_results(tmp_path)
+    path = suite.record_path(results, "vlm", "mrope", 0)
+    rec = json.loads(path.read_text())
+    path.write_text(json.dumps({**rec, "claims_fingerprint": "0123456789ab"}))
+    report.report(results, readme=None, reps=200)
+    claims = json.loads((results / "claims.json").read_text())
+    vr = _claim(claims, "VideoRoPE > MRoPE on V-NIAH-D")
+    assert vr["verdict"] == "open" and vr["look"] is None and vr["seeds"] == [1, 2, 3, 4]  # seed 0 is missing
+    assert any("vlm/mrope_seed0" in m and "0123456789ab" in m for m in vr["refused"])
+    assert vr["protocol"] == fingerprint()
+    summary = json.loads((results / "summary.json").read_text())
+    assert summary["families"]["vlm"]["rows"]["mrope"]["seeds"] == [0, 1, 2, 3, 4]  # the tables keep it
 
 
 def test_readme_only_between_markers_and_idempotent(tmp_path):
@@ -200,6 +222,32 @@ def test_reevaluate_redoes_only_the_evaluation_of_runs_with_weights(tmp_path, mo
     errors = suite.run_jobs(jobs, jobs_at_once=1, reevaluate=True, progress=False)
     assert len(calls) == 1 and "eval" in str(calls[0][1]) and "train" not in str(calls[0][1])
     assert len(errors) == 1 and "seed0" in errors[0] and "evaluation failed" in errors[0]
+
+
+def test_a_new_record_stores_the_claims_fingerprint_and_its_provenance(tmp_path, monkeypatch):
+    results = tmp_path / "results"
+    job = suite.plan(["vlm"], encodings=["mrope"], seeds=1, runs_dir=tmp_path / "runs", results_dir=results)[0]
+
+    def fake(cmd, log, env):  # training writes the weights, the evaluation its result
+        if "train" in str(cmd[1]):
+            job.run_dir.mkdir(parents=True, exist_ok=True)
+            (job.run_dir / "model.safetensors").write_bytes(b"")
+        else:
+            out = Path(cmd[cmd.index("--out") + 1])
+            out.mkdir(parents=True, exist_ok=True)
+            runs = [{**vlm_ev([1, 1, 1, 1], 0), "scaling": sc} for sc in (None, "yarn")]
+            (out / "long_video.json").write_text(json.dumps({"runs": runs}))
+        return 0, 1.0, 1.0
+
+    monkeypatch.setattr(suite, "run_logged", fake)
+    assert suite.run_jobs([job], jobs_at_once=1, progress=False) == []
+    rec = json.loads(suite.record_path(results, "vlm", "mrope", 0).read_text())
+    assert rec["claims_fingerprint"] == fingerprint()
+    prov = rec["provenance"]
+    assert {"commit", "dirty", "torch", "deepspeed", "transformers", "cpu", "threads"} <= set(prov)
+    assert prov["threads"] >= 1 and prov["torch"] == __import__("torch").__version__.split("+")[0]
+    head = __import__("subprocess").run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True)
+    assert prov["commit"] == (head.stdout.strip() or None)
 
 
 def test_plan_errors():

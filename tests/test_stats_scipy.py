@@ -52,9 +52,9 @@ def test_scipy_is_pinned_at_the_installed_version_and_declared():
 
 
 def test_recorded_claim_intervals_are_unchanged():
-    """Every claim's t interval, recomputed from its per-seed differences, is the recorded one (to rounding far
-    below the one decimal the README reports)."""
-    claims = json.loads((ROOT / "results" / "claims.json").read_text())
+    """Every measured claim's t interval, recomputed from its per-seed differences, is the recorded one (to
+    rounding far below the one decimal the README reports)."""
+    claims = [c for c in json.loads((ROOT / "results" / "claims.json").read_text()) if c.get("per_seed")]
     assert claims
     for c in claims:
         _, _, lo, hi = stats.t_interval(c["per_seed"])

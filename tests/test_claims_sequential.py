@@ -1,0 +1,171 @@
+"""The pre-registered claims (eval/claims.py) and their sequential decisions (eval/sequential.py).
+
+What is checked, and against what:
+- a decision computed by hand: p-values and intervals from ``scipy.stats.t`` in this file, Holm's step-down and the
+  Haybittle-Peto shares written out, including a claim decided only because Holm passed another claim's level on;
+- the rule by simulation (normal per-seed differences at the spreads measured from the records: V-NIAH VideoRoPE
+  13.3, HoPE 24.2, MRoPE-I 14.8, VRoPE 13.0, V2PE 4.2, V-NIAH-D 8.1 points, MHRoPE as MRoPE-I, every top-1 claim
+  8): with no true difference anywhere the probability of any false sign decision over the 15 claims is at most
+  5 %; with a true difference of 2 x margin every claim is decided ``agrees`` with probability at least 0.99 by its
+  cap (measured 0.998-1.0) and never ``equivalent``; with a difference of exactly the margin the probability of any
+  false ``equivalent`` is at most 5 %; with no difference and a spread of 2 points every claim is ``equivalent`` with
+  probability at least 0.95;
+- the fingerprint follows margins, caps, looks and rows but not a claim's wording; records of another claims
+  protocol are refused with a message; records without one count for the first look only;
+- the planner asks only for the rows of open (or not yet measured) claims, up to their next look.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import replace
+
+import numpy as np
+import pytest
+
+import claims as C  # noqa: E402  (eval/ is on pytest's pythonpath)
+import sequential as S  # noqa: E402
+
+scipy_t = pytest.importorskip("scipy.stats").t
+
+SD = {"VideoRoPE > MRoPE on V-NIAH": 13.3, "HoPE > MRoPE": 24.2, "MRoPE-I > MRoPE": 14.8,
+      "VideoRoPE > MRoPE on V-NIAH-D": 8.1, "VRoPE > MRoPE on V-NIAH": 13.0, "V2PE > MRoPE on V-NIAH": 4.2,
+      "MHRoPE > MRoPE": 14.8}  # fmt: skip
+R = 4000  # replicates: a rate of 0.05 is estimated within +-0.0035 (one standard error)
+
+
+def _claim(name: str, *, margin: float = 5.0, cap: int = 10) -> C.Claim:
+    return C.Claim(claim=name, paper="p", family="vit", better=name, other="rope", metric="x4.57", described="d",
+                   margin=margin, cap=cap)  # fmt: skip
+
+
+def _with_t(n: int, t_target: float, scale: float, seed: int) -> np.ndarray:
+    """``n`` values whose one-sample t statistic is exactly ``t_target`` and whose sample sd is ``scale``."""
+    z = np.random.default_rng(seed).standard_normal(n)
+    z = (z - z.mean()) / z.std(ddof=1) * scale
+    return z + t_target * scale / math.sqrt(n)
+
+
+def _p_sign(xs) -> float:
+    xs = np.asarray(xs)
+    t = xs.mean() / (xs.std(ddof=1) / math.sqrt(xs.size))
+    return float(2 * scipy_t.sf(abs(t), xs.size - 1))
+
+
+def test_hand_computed_decisions_with_holm_passing_the_level_on():
+    design = C.Design(looks=(5, 10), alpha=0.05, interim=0.02)
+    reg = (_claim("a"), _claim("b"), _claim("c"))
+    a = [10.0, 10.5, 9.5, 10.2, 9.8]  # a strong positive difference at the first look
+    b = [0.1, -0.1, 0.05, -0.05, 0.0]  # no difference, tiny spread: equivalent within +-5
+    c = _with_t(10, scipy_t.isf(0.01, 9), 10.0, seed=3)  # p_sign exactly 0.02 at 10 seeds, mean ~ 8.9 > margin
+    interim, final = 0.02 * 0.05, (1 - 0.02) * 0.05  # Haybittle-Peto shares of the claims' level (2 looks)
+    assert _p_sign(a) <= interim / 3  # Holm's first step at look 1: the smallest of 3
+    tost_b = max(scipy_t.sf((np.mean(b) + 5) / (np.std(b, ddof=1) / math.sqrt(5)), 4),
+                 scipy_t.cdf((np.mean(b) - 5) / (np.std(b, ddof=1) / math.sqrt(5)), 4))  # fmt: skip
+    assert _p_sign(b) > interim / 2 and tost_b <= interim / 3
+    assert _p_sign(c[:5]) > interim / 2  # c is not decided at look 1
+    assert final / 3 < _p_sign(c) <= final / 2  # only Holm's step (a decided, 2 claims left) decides c
+    res = S.decide([dict(enumerate(a)), dict(enumerate(b)), dict(enumerate(c))], reg, design=design)
+    assert [r["verdict"] for r in res] == ["agrees", "equivalent", "agrees"]
+    assert [r["look"] for r in res] == [1, 1, 2] and [r["n"] for r in res] == [5, 5, 10]
+    assert res[0]["alpha_look"] == pytest.approx(interim / 3) and res[2]["alpha_look"] == pytest.approx(final / 2)
+    h = scipy_t.ppf(0.975, 4) * np.std(a, ddof=1) / math.sqrt(5)
+    assert res[0]["diff"] == pytest.approx(np.mean(a)) and res[0]["ci95"] == pytest.approx([np.mean(a) - h,
+                                                                                         np.mean(a) + h])  # fmt: skip
+    h = scipy_t.ppf(1 - interim / 3 / 2, 4) * np.std(a, ddof=1) / math.sqrt(5)
+    assert res[0]["ci_rule"] == pytest.approx([np.mean(a) - h, np.mean(a) + h])
+    assert res[0]["ci_rule"][0] > 0  # the rule's interval excludes 0, as the decision says
+    # without a's decision, c's p of 0.02 does not pass the first Holm step (final / 3): unresolved at its cap
+    noisy = [9.0, -12.0, 15.0, -18.0, 3.0, 6.0, -9.0, 12.0, -3.0, 1.5]
+    res = S.decide([dict(enumerate(noisy)), dict(enumerate(b)), dict(enumerate(c))], reg, design=design)
+    assert [r["verdict"] for r in res] == ["unresolved", "equivalent", "unresolved"]
+    # four seeds of c: no look yet, open, asking for the first look
+    res = S.decide([None, dict(enumerate(b)), dict(enumerate(c[:4]))], reg, design=design)
+    assert [r["verdict"] for r in res] == ["not measured", "equivalent", "open"]
+    assert res[2]["look"] is None and res[2]["next_look"] == 5
+
+
+def _simulate(delta_in_margins: float, *, sd: float | None = None, seed: int = 0) -> np.ndarray:
+    """Verdict codes ``(R, 15)`` of the registered claims, per-seed differences normal with the measured spreads
+    (or ``sd`` for all) and a true difference of ``delta_in_margins`` x each claim's margin."""
+    reg = C.CLAIMS
+    sds = np.array([SD.get(c.claim, 8.0) if sd is None else sd for c in reg])
+    margins = np.array([c.margin for c in reg])
+    x = np.random.default_rng(seed).standard_normal((R, len(reg), C.DESIGN.looks[-1]))
+    x = x * sds[None, :, None] + delta_in_margins * margins[None, :, None]
+    out = S.run_design(x, np.full(len(reg), C.DESIGN.looks[-1]), margins, [c.cap for c in reg])
+    assert (out["verdict"] != S.OPEN).all()  # every claim ends decided or unresolved at its cap
+    return out["verdict"]
+
+
+def test_no_true_difference_false_sign_decisions_at_most_five_percent():
+    v = _simulate(0.0)
+    sign = (v == S.AGREES) | (v == S.DISAGREES)
+    assert sign.any(axis=1).mean() <= 0.05  # family-wise, over all 15 claims and all looks
+    assert sign.mean(axis=0).max() <= 0.05 / len(C.CLAIMS) * 2  # per claim: about its share, far below 5 %
+
+
+def test_two_margins_of_true_difference_are_decided():
+    v = _simulate(2.0)
+    assert ((v == S.AGREES).mean(axis=0) >= 0.99).all()
+    assert not (v == S.EQUIVALENT).any() and not (v == S.DISAGREES).any()
+
+
+def test_difference_of_one_margin_is_rarely_called_equivalent():
+    v = _simulate(1.0, seed=1)
+    assert (v == S.EQUIVALENT).any(axis=1).mean() <= 0.05
+
+
+def test_zero_difference_with_small_spread_is_equivalent():
+    v = _simulate(0.0, sd=2.0, seed=2)
+    assert ((v == S.EQUIVALENT).mean(axis=0) >= 0.95).all()
+
+
+def test_fingerprint_follows_the_decision_relevant_parts():
+    fp = C.fingerprint()
+    assert len(fp) == 12 and fp == C.fingerprint(C.CLAIMS, C.DESIGN)
+    first = C.CLAIMS[0]
+    wider = (replace(first, margin=first.margin + 1), *C.CLAIMS[1:])
+    assert C.fingerprint(wider) != fp
+    assert C.fingerprint((replace(first, cap=10), *C.CLAIMS[1:])) != fp
+    assert C.fingerprint(design=C.Design(looks=(5, 10, 20, 30, 40))) != fp
+    assert C.fingerprint(design=C.Design(legacy="refuse")) != fp
+    assert C.fingerprint(C.CLAIMS[:-1]) != fp  # a claim more or less is another protocol
+    assert C.fingerprint((replace(first, claim="reworded", paper="another citation"), *C.CLAIMS[1:])) == fp
+    with pytest.raises(ValueError, match="cap"):
+        C.fingerprint((replace(first, cap=7), *C.CLAIMS[1:]))
+
+
+def test_records_of_another_protocol_are_refused_and_legacy_ones_count_for_the_first_look():
+    fp = C.fingerprint()
+    recs = {"vlm": [{"encoding": "mrope", "seed": 0, "claims_fingerprint": fp},
+                    {"encoding": "mrope", "seed": 1, "claims_fingerprint": "0123456789ab"},
+                    {"encoding": "mrope", "seed": 2},
+                    {"encoding": "mrope", "seed": 7}]}  # fmt: skip
+    used, refused = S.select_records(recs)
+    assert [r["seed"] for r in used["vlm"]] == [0, 2]
+    assert any("vlm/mrope_seed1" in m and "0123456789ab" in m and "do not mix" in m for m in refused)
+    assert any("vlm/mrope_seed7" in m and "without a claims fingerprint" in m for m in refused)
+    used, refused = S.select_records(recs, design=C.Design(legacy="refuse"))
+    assert [r["seed"] for r in used["vlm"]] == [0] and len(refused) == 3
+
+
+def test_planner_asks_only_for_rows_of_open_claims():
+    reg = (_claim("dec"), _claim("opn"), _claim("new"), replace(_claim("cap"), cap=5))
+    design = C.Design(looks=(5, 10), alpha=0.05, interim=0.02)
+    entries = [{"verdict": "agrees", "next_look": None, "row_seeds": {"dec": list(range(5)), "rope": list(range(7))}},
+               {"verdict": "open", "next_look": 10, "row_seeds": {"opn": list(range(5)), "rope": list(range(7))}},
+               {"verdict": "not measured", "row_seeds": {"new": [], "rope": list(range(7))}},
+               {"verdict": "unresolved", "next_look": None, "row_seeds": {"cap": [0, 1, 2, 3, 4], "rope": []}}]
+    runs = S.next_look_runs(entries, reg, design=design)
+    assert runs == sorted([("vit", "opn", s) for s in range(5, 10)] + [("vit", "rope", s) for s in (7, 8, 9)]
+                          + [("vit", "new", s) for s in range(5)])  # fmt: skip
+
+
+def test_design_rejects_inconsistent_settings():
+    with pytest.raises(ValueError, match="looks"):
+        C.Design(looks=(10, 5))
+    with pytest.raises(ValueError, match="interim"):
+        C.Design(interim=0.5)
+    assert C.DESIGN.fraction(5, 40) == 0.02 and C.DESIGN.fraction(40, 40) == pytest.approx(1 - 3 * 0.02)
+    assert sum(C.DESIGN.fraction(n, 20) for n in (5, 10, 20)) == pytest.approx(1.0)
