@@ -159,16 +159,16 @@ def config_path(p: Protocol, encoding: str) -> Path:
     return ROOT / "configs" / f"{name}.yaml"
 
 
-def _config_texts(path: Path) -> list[str]:
-    """The text of a config and of every file it inherits from."""
+def _config_chain(path: Path) -> list[dict]:
+    """The parsed mappings of a config and of every file it inherits from, in inheritance order."""
     import yaml
 
     out, seen = [], set()
     while path not in seen and path.is_file():
         seen.add(path)
-        text = path.read_text()
-        out.append(text)
-        parent = (yaml.safe_load(text) or {}).get("inherit")
+        data = yaml.safe_load(path.read_text()) or {}
+        out.append(data)
+        parent = data.get("inherit")
         if not parent:
             break
         path = path.parent / parent
@@ -176,8 +176,9 @@ def _config_texts(path: Path) -> list[str]:
 
 
 def train_fingerprint(p: Protocol, encoding: str) -> str:
-    """12 hex digits of what decides a run's weights (the overrides and the config files): a change retrains."""
-    blob = json.dumps([list(p.train), _config_texts(config_path(p, encoding))])
+    """12 hex digits of what decides a run's weights: the overrides and the parsed content of the config files (a
+    changed key or value retrains; comments and layout do not)."""
+    blob = json.dumps([list(p.train), _config_chain(config_path(p, encoding))], sort_keys=True)
     return hashlib.sha256(blob.encode()).hexdigest()[:12]
 
 

@@ -267,3 +267,37 @@ def test_vit_protocol_slices_are_disjoint_and_exist():
     starts = [int(p.seed_args(k)[1]) for k in range(p.seeds)]
     assert all(b - a >= limit for a, b in zip(starts, starts[1:]))  # disjoint
     assert starts[-1] + limit <= 10_000  # the Fashion-MNIST test set
+
+
+def test_the_training_fingerprint_reads_what_the_configs_say_not_how(tmp_path, monkeypatch):
+    """A comment or a layout change in a config (or in the file it inherits) keeps every run; a changed value
+    retrains. (A reworded comment in configs/_vit.yaml once orphaned all 45 ViT records.)"""
+    import protocols
+
+    (tmp_path / "_base.yaml").write_text("# shared\nmodel:\n  depth: 4\ntrain:\n  lr: 2.0e-3\n")
+    (tmp_path / "vit_x.yaml").write_text("inherit: _base.yaml\nmodel:\n  encoding: x\n")
+    monkeypatch.setattr(protocols, "config_path", lambda p, e: tmp_path / f"vit_{e}.yaml")
+    p = PROTOCOLS["vit"]
+    before = protocols.train_fingerprint(p, "x")
+    (tmp_path / "_base.yaml").write_text("# shared defaults, described anew\nmodel: {depth: 4}\ntrain:\n  lr: 0.002\n")
+    assert protocols.train_fingerprint(p, "x") == before
+    (tmp_path / "_base.yaml").write_text("model:\n  depth: 5\ntrain:\n  lr: 2.0e-3\n")
+    assert protocols.train_fingerprint(p, "x") != before
+    (tmp_path / "_base.yaml").write_text("# shared\nmodel:\n  depth: 4\ntrain:\n  lr: 2.0e-3\n")
+    (tmp_path / "vit_x.yaml").write_text("inherit: _base.yaml\nmodel:\n  encoding: y\n")
+    assert protocols.train_fingerprint(p, "x") != before
+
+
+def test_every_committed_record_matches_todays_protocol():
+    """The records under results/ are the runs of today's configs and overrides: a config edit that changes what
+    a run trains (and so orphans its records) shows here, not as a family silently dropped from the report."""
+    from protocols import train_fingerprint
+
+    records = sorted((ROOT / "results").glob("*/runs/*.json"))
+    assert records
+    stale = []
+    for path in records:
+        rec = json.loads(path.read_text())
+        if rec["fingerprint"] != train_fingerprint(PROTOCOLS[rec["family"]], rec["encoding"]):
+            stale.append(path.name)
+    assert not stale, f"records whose configs changed since they ran: {stale}"
