@@ -3,6 +3,14 @@
 :class:`Encoder` owns the encoding and the blocks and runs the fixed schedule of
 :mod:`vlpe.encodings.base`: ``prepare`` once per forward (tables shared by all layers), ``embed``
 before block 0, ``rotate``/``widen``/``score``/``values`` inside each attention, ``mix`` after each block.
+
+Tracing (``torch.fx``): the encoding's calls that read positions go through :func:`encoding_context`,
+:func:`encoding_embed` and :func:`encoding_mix`, module-level functions that a tracer keeps as single graph nodes
+(``autowrap_functions``: :data:`FX_LEAF_FUNCTIONS`, with :func:`readout`), and :class:`vlpe.attention.Attention`
+and :class:`DropPath` are leaf modules (:data:`FX_LEAF_MODULES`; the models add their tokenizer). Everything between
+them (norms, MLPs, residuals, the loop over blocks) is traced, so each block's output is a node of the graph.
+TorchScript cannot compile an :class:`Encoder`: its encoding refuses, saying why
+(:data:`vlpe.encodings.base.NOT_SCRIPTABLE`).
 """
 
 from __future__ import annotations
@@ -16,7 +24,10 @@ from torch.utils.checkpoint import checkpoint
 import vlpe
 from vlpe.attention import Attention, Backend
 
-__all__ = ["Mlp", "DropPath", "LayerScale", "Block", "Encoder", "readout"]
+__all__ = [
+    "Mlp", "DropPath", "LayerScale", "Block", "Encoder", "readout",
+    "encoding_context", "encoding_embed", "encoding_mix", "FX_LEAF_FUNCTIONS", "FX_LEAF_MODULES",
+]
 
 
 class Mlp(nn.Module):
@@ -133,8 +144,8 @@ class Encoder(nn.Module):
         ``(B, N, C)`` and, for each index in ``take`` (ascending), the tokens after that block and its ``mix``
         (what the next block reads)."""
         enc = self.encoding
-        ctx = enc.prepare(pos)  # tables for every layer, built once
-        x = enc.embed(x, ctx)
+        ctx = encoding_context(enc, pos)  # tables for every layer, built once
+        x = encoding_embed(enc, x, ctx)
         stop = len(self.blocks) - 1 if last is None else last
         taken: list[Tensor] = []
         for layer, block in enumerate(self.blocks):
@@ -144,13 +155,28 @@ class Encoder(nn.Module):
                 x = checkpoint(block, x, enc=enc, ctx=ctx, layer=layer, use_reentrant=False)
             else:
                 x = block(x, enc=enc, ctx=ctx, layer=layer)
-            x = enc.mix(x, ctx, layer)
+            x = encoding_mix(enc, x, ctx, layer)
             if layer in take:
                 taken.append(x)
         return x, taken
 
     def no_weight_decay(self) -> set[str]:
         return {f"encoding.{n}" for n in self.encoding.no_weight_decay()}
+
+
+def encoding_context(enc: vlpe.encodings.Encoding, pos: vlpe.Positions) -> vlpe.encodings.Context:
+    """``enc.prepare(pos)``: one graph node under ``torch.fx`` (it reads the positions' Python-level facts)."""
+    return enc.prepare(pos)
+
+
+def encoding_embed(enc: vlpe.encodings.Encoding, x: Tensor, ctx: vlpe.encodings.Context) -> Tensor:
+    """``enc.embed(x, ctx)`` on tokens ``(B, N, C)``: one graph node under ``torch.fx``."""
+    return enc.embed(x, ctx)
+
+
+def encoding_mix(enc: vlpe.encodings.Encoding, x: Tensor, ctx: vlpe.encodings.Context, layer: int) -> Tensor:
+    """``enc.mix(x, ctx, layer)`` on tokens ``(B, N, C)``: one graph node under ``torch.fx``."""
+    return enc.mix(x, ctx, layer)
 
 
 def readout(x: Tensor, pos: vlpe.Positions, mode: str) -> Tensor:
@@ -164,3 +190,10 @@ def readout(x: Tensor, pos: vlpe.Positions, mode: str) -> Tensor:
         return patches.mean(dim=1)
     w = pos.valid[:, pos.prefix :].to(patches.dtype).unsqueeze(-1)  # (B, N - P, 1)
     return (patches * w).sum(1) / w.sum(1).clamp_min(1.0)
+
+
+#: functions a ``torch.fx`` tracer keeps as single nodes (``autowrap_functions``): they read positions
+FX_LEAF_FUNCTIONS = (encoding_context, encoding_embed, encoding_mix, readout)
+#: modules a ``torch.fx`` tracer keeps as single nodes (``leaf_modules``): attention consults the encoding's plan
+#: and context, and DropPath's mask shape reads the input's rank
+FX_LEAF_MODULES = (Attention, DropPath)

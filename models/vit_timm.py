@@ -5,6 +5,13 @@
 :func:`register_timm` registers every preset x size for an encoding fixed by the name (or chosen by keyword).
 Importing :mod:`models.vit` imports this module, which registers the architectures of :func:`grid_encodings`
 (the encodings that run on a 2D grid and fit a preset) when timm is installed; the entry points live here.
+
+It also tells timm's ``torch.fx`` machinery (``timm.models.register_notrace_module`` / ``register_notrace_function``,
+read by its FX feature extraction and by the FX checks of timm's ``tests/test_models.py``) which parts of a vlpe ViT
+to keep as single graph nodes: the tokenizer (the positions depend on the input's size) and the pieces of
+:data:`models.blocks.FX_LEAF_MODULES` / :data:`models.blocks.FX_LEAF_FUNCTIONS` (they consult the encoding's
+positions and plan); the blocks between them are traced. TorchScript is refused with the reason
+(:data:`vlpe.encodings.base.NOT_SCRIPTABLE`), as timm's test-suite excludes its own unscriptable models.
 """
 
 from __future__ import annotations
@@ -171,6 +178,16 @@ try:
 except ImportError:
     pass
 else:
+    from timm.models import register_notrace_function, register_notrace_module
+
+    from vlpe.tokenizers import ImageTokenizer
+
+    from .blocks import FX_LEAF_FUNCTIONS, FX_LEAF_MODULES
+
+    for _leaf in (ImageTokenizer, *FX_LEAF_MODULES):
+        register_notrace_module(_leaf)
+    for _leaf in FX_LEAF_FUNCTIONS:
+        register_notrace_function(_leaf)
     for _enc in (None, *grid_encodings()):
         register_timm(_enc)
-    del _enc
+    del _enc, _leaf

@@ -47,7 +47,9 @@ from ..positions import Positions
 from .plan import PIECES, Plan
 from .spec import EncodingSpec
 
-__all__ = ["Context", "Encoding", "LatticeBias", "HOOKS", "CLAIMS", "HALF_PLANES", "apply_keeping_fp32"]
+__all__ = [
+    "Context", "Encoding", "LatticeBias", "HOOKS", "CLAIMS", "HALF_PLANES", "NOT_SCRIPTABLE", "apply_keeping_fp32",
+]
 
 HOOKS = ("embed", "mix", "rotate", "widen", "score", "values")
 
@@ -63,6 +65,14 @@ CLAIMS = frozenset(
     }
 )
 
+
+#: Why ``torch.jit.script`` refuses every encoding (and any model holding one), and what to use instead.
+NOT_SCRIPTABLE = (
+    "TorchScript cannot compile a vlpe position encoding: it is consulted through vlpe.Positions and a per-forward "
+    "Context (Python objects holding dict tables, a per-layer plan and optional hooks), which TorchScript's static "
+    "types do not express. Use torch.compile, or trace with torch.fx keeping the tokenizer and the attention as "
+    "leaf modules (timm's FX helpers do so for the vlpe_vit_* models)"
+)
 
 #: Half-planes a head's field of view may lie in, for :class:`LatticeBias`: "up" = key row <= query row,
 #: "down" = key row >= query row, "left" = key column <= query column, "right" = key column >= query column.
@@ -271,6 +281,11 @@ class Encoding(nn.Module):
         self.check_tokens(x, ctx, who, dim=1)
         if ctx.pos.batch not in (1, x.shape[0]):
             raise ValueError(f"{who}: positions have batch {ctx.pos.batch} but the tokens have batch {x.shape[0]}")
+
+    def __prepare_scriptable__(self) -> "Encoding":
+        """``torch.jit.script`` calls this on every submodule before compiling: a ``RuntimeError`` giving the reason
+        (:data:`NOT_SCRIPTABLE`) instead of an unsupported-annotation error from deep inside an encoding."""
+        raise RuntimeError(NOT_SCRIPTABLE)
 
     def _apply(self, fn, recurse=True):
         if not self.keep_fp32:
