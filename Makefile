@@ -3,7 +3,7 @@
 PY := .venv/bin/python
 export PYTHONUNBUFFERED := 1
 
-.PHONY: setup demo test bench clean
+.PHONY: setup demo test bench clean lmms-setup
 
 setup:
 	@bash scripts/setup.sh
@@ -17,6 +17,10 @@ test: setup
 # make bench FAMILY=vit runs one family (vit, vlm or points); finished runs are reused
 bench: setup
 	$(PY) eval/report.py --suite $(if $(FAMILY),--families $(FAMILY))
+
+# optional: lmms-eval (Video-MME, LongVideoBench, MLVU) in a second environment, .venv-lmms (scripts/setup_lmms.sh)
+lmms-setup: setup
+	@bash scripts/setup_lmms.sh
 
 clean:
 	rm -rf outputs runs .pytest_cache

@@ -19,7 +19,8 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 HARNESS = ("eval", "train", "models", "data", "benchmarks")
-SKIP = shutil.ignore_patterns(".git", ".venv", "outputs", "runs", "build", "*.egg-info", "__pycache__", "*.pyc")
+SKIP = shutil.ignore_patterns(".git", ".venv", ".venv-lmms", "outputs", "runs", "build", "*.egg-info", "__pycache__",
+                              "*.pyc")  # fmt: skip
 
 
 def _env() -> dict[str, str]:

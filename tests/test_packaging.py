@@ -25,6 +25,9 @@ NOT_IMPORTED = {
     "pytest-timeout": "pyproject's [tool.pytest.ini_options] timeout",
     "accelerate": "imported by peft (LoRA fine-tuning, train/finetune.py); pinned to the tested build",
 }
+# imported only by the optional lmms-eval model (vlpe/integrations/lmms_eval.py, tests/test_lmms_eval.py): the
+# distribution is pinned in requirements-lmms.txt (the second environment, .venv-lmms) and in the [lmms] extra
+OPTIONAL_IMPORTS = {"lmms_eval": "lmms-eval"}
 
 
 _OPS = {"==": operator.eq, ">=": operator.ge, "<=": operator.le, ">": operator.gt, "<": operator.lt}
@@ -91,7 +94,7 @@ def test_requirements_cover_every_import_and_nothing_else():
     pins = _pins()
     dists = packages_distributions()
     imported: set[str] = set()
-    for module in _third_party_imports():
+    for module in _third_party_imports() - set(OPTIONAL_IMPORTS):
         owners = {canonicalize_name(d) for d in dists.get(module, [])}
         assert owners, f"{module} is imported but no installed distribution provides it"
         assert owners & set(pins), f"{module} ({sorted(owners)}) is imported but not pinned in requirements.txt"
@@ -109,3 +112,20 @@ def test_all_extra_admits_the_pins_and_pins_albumentations():
     for name, spec in {**core, **extra}.items():
         assert _satisfies(pins[name], spec), f"pyproject's {name} {spec} excludes the tested pin {name}=={pins[name]}"
     assert extra["albumentations"] == [("==", "2.0.8")] and pins["albumentations"] == "2.0.8"
+
+
+def test_lmms_extra_is_optional_and_pinned():
+    """lmms-eval stays out of the core install and of [all] (it needs av<16, .venv pins av 18); its environment's
+    file pins every package exactly, and the [lmms] extra admits its pins of lmms-eval, av and filelock."""
+    extras = PYPROJECT["project"]["optional-dependencies"]
+    lmms = dict(map(_spec, extras["lmms"]))
+    lines = [ln.split("#")[0].strip() for ln in (ROOT / "requirements-lmms.txt").read_text().splitlines()]
+    pins = dict(re.fullmatch(r"([A-Za-z0-9_.-]+)==(\S+)", ln).groups() for ln in lines if ln)  # fails if not exact
+    pins = {canonicalize_name(k): v for k, v in pins.items()}
+    core = {**dict(map(_spec, extras["all"])), **dict(map(_spec, PYPROJECT["project"]["dependencies"]))}
+    for name in [*OPTIONAL_IMPORTS.values(), "av", "filelock"]:
+        assert _satisfies(pins[name], lmms[name]), f"[lmms] {name} {lmms[name]} excludes the pin {pins[name]}"
+    assert not set(OPTIONAL_IMPORTS.values()) & set(core)
+    assert not _satisfies(_pins()["av"], lmms["av"])  # why it is a second environment
+    entry = PYPROJECT["project"]["entry-points"]["lmms_eval.models"]
+    assert entry == {"vlpe_qwen_vl": "vlpe.integrations.lmms_eval:manifests"}

@@ -8,4 +8,6 @@ transformers or open_clip:
 - :mod:`vlpe.integrations.timm`: switch the position encoding of a timm ``VisionTransformer`` / ``Eva``.
 - :mod:`vlpe.integrations.open_clip`: open_clip model configs whose vision tower is a vlpe ViT (importing it
   registers them; it also imports :mod:`models.vit`, which registers the ViTs in timm).
+- :mod:`vlpe.integrations.lmms_eval`: the lmms-eval model ``vlpe_qwen_vl`` (a Qwen-VL folder under any variant,
+  found by ``lmms-eval --model vlpe_qwen_vl`` through an entry point; the ``[lmms]`` extra installs lmms-eval).
 """
