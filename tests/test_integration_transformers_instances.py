@@ -184,7 +184,7 @@ def test_the_patch_holds_one_variant_with_every_option():
     want_cos, want_sin = mm.rotary(v, ids, head_dim=16)
     torch.testing.assert_close(cos, want_cos)
     torch.testing.assert_close(sin, want_sin)
-    enc = v.encoding(dim=128, num_heads=8)
+    enc = mm.encoding(v, dim=128, num_heads=8)
     assert enc.spec is v
     with pytest.raises(TypeError):
         vhf.Patch(model, model.model, FAMILY, v, 2)  # keyword-only

@@ -346,14 +346,14 @@ def test_registered_encodings_hold_their_variant(name):
     opts = {"num_kv_heads": 4} if name == "mhrope" else {}
     enc = vlpe.encodings.build(name, dim=256, num_heads=8, **opts)
     assert enc.spec is mm.VARIANTS[name]  # the table's object itself, no copy of its settings
-    assert type(mm.VARIANTS[name].encoding(dim=256, num_heads=8, **opts)) is type(enc)
+    assert type(mm.encoding(mm.VARIANTS[name], dim=256, num_heads=8, **opts)) is type(enc)
 
 
 def test_any_variant_is_an_encoding_that_matches_its_tables():
     v = mm.Variant("diagonal", "interleaved", {"temporal_scale": 0.5}, theta=1e4)
     types, mask, grid = mm_batch("videorope")
     ids, _ = mm.position_ids(v, types, grid, attention_mask=mask)
-    enc = v.encoding(dim=8 * 32, num_heads=8)
+    enc = mm.encoding(v, dim=8 * 32, num_heads=8)
     assert enc.spec is v and type(enc) is mm.encodings.MultimodalRoPE
     ctx = enc.prepare(vlpe.Positions(ids.permute(1, 2, 0).float()))
     q, k = torch.randn(2, 2, 8, ids.shape[-1], 32)
@@ -361,7 +361,7 @@ def test_any_variant_is_an_encoding_that_matches_its_tables():
     want = mm.apply_rotary_pos_emb(q, k, *mm.rotary(v, ids, head_dim=32))
     torch.testing.assert_close(got[0], want[0], atol=1e-5, rtol=0)
     torch.testing.assert_close(got[1], want[1], atol=1e-5, rtol=0)
-    assert isinstance(mm.Variant("pype", "none").encoding(dim=64, num_heads=2, depth=3), mm.encodings.PyPE)
+    assert isinstance(mm.encoding(mm.Variant("pype", "none"), dim=64, num_heads=2, depth=3), mm.encodings.PyPE)
 
 
 def test_with_options_builds_one_validated_variant():

@@ -35,11 +35,15 @@ API (Hugging Face 5.x conventions):
   allocation: the allocation map is cached per device) then ``tables(ids, F, ...)``
   (:mod:`vlpe.encodings.multimodal.rotary`); a caller that keeps ``F`` per device calls ``tables`` alone.
 * ``Variant(design, allocation, design_options={}, section=None, theta=...)``: one object for the functional API,
-  the registered encodings (each holds its :data:`VARIANTS` object; ``variant.encoding(dim=..., num_heads=...)``
+  the registered encodings (each holds its :data:`VARIANTS` object; ``encoding(variant, dim=..., num_heads=...)``
   for any other) and the transformers integration (``patch_of(model).variant``); ``variant.with_options(...)``
   merges design options, an allocation, a section or theta into a new one. ``VARIANTS``, ``DESIGNS``,
   ``ALLOCATIONS``; ``allocation_map(...)`` (pair -> axis census); ``pype_attention_mask(ids, layer,
   cu_seqlens=None)``; ``packed_samples(cu_seqlens, B, S)`` (which sample every token of a packed batch is in).
+* Designs and allocations are data that declare their facts (:class:`Design`: ``axes``, ``layered``,
+  ``needs_mask``, ``split_frames``, ``fused``; :class:`Allocation`: ``axes``, ``one_axis``, ``per_head``, ...);
+  a variant reads them (``num_axes()``, ``layered``, ``masked``, ``per_head``) and no caller compares names.
+  Modules import downwards only: samples, layout, grid_ids < designs, allocations < variants < rotary < encodings.
 
 Variants: ``rope1d`` (1d + none), ``mrope`` (grid + chunked), ``qwen25vl`` (absolute_time + chunked),
 ``mrope_i`` (grid + interleaved; ``spatial_reset=True`` option), ``qwen3vl`` (per_frame + interleaved),
@@ -53,10 +57,11 @@ Position ids follow each method's released code; for Qwen2-VL text after a visio
 maximum over all axes + 1 (the released semantics, not transformers 5.x's ``max(h, w)`` advance).
 """
 
-from .allocations import ALLOCATIONS, allocation_map, default_section, frequency_matrix
-from .designs import DESIGNS, HOPE_SCALES, V2PE_STRIDES, Design
+from .allocations import ALLOCATIONS, Allocation, allocation_map, default_section, frequency_matrix, get_allocation
+from .designs import DESIGNS, HOPE_SCALES, V2PE_STRIDES, Design, get_design
 from .layout import Samples, TokenLayout, packed_samples, token_layout
 from .rotary import apply_rotary_pos_emb, rotary
+from .encodings import encoding
 from .variants import (
     VARIANTS,
     Variant,
@@ -70,6 +75,7 @@ from .variants import (
 
 __all__ = [
     "ALLOCATIONS",
+    "Allocation",
     "DESIGNS",
     "VARIANTS",
     "HOPE_SCALES",
@@ -82,7 +88,10 @@ __all__ = [
     "apply_rotary_pos_emb",
     "decode_position_ids",
     "default_section",
+    "encoding",
     "frequency_matrix",
+    "get_allocation",
+    "get_design",
     "get_variant",
     "merge_grids",
     "packed_samples",

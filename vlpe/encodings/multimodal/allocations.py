@@ -27,65 +27,180 @@ name                   map (defaults for K = 64)
 from __future__ import annotations
 
 import functools
-from typing import Sequence
+from dataclasses import dataclass
+from typing import Callable, Sequence
 
 import torch
 from torch import Tensor
 
-__all__ = ["ALLOCATIONS", "allocation_map", "default_section", "frequency_matrix", "axes_of"]
+__all__ = ["Allocation", "ALLOCATIONS", "get_allocation", "allocation_map", "default_section", "frequency_matrix",
+           "axes_of"]
 
-ALLOCATIONS = ("none", "chunked", "interleaved", "multi_head", "low_freq_temporal", "hybrid")
 #: the fewest KV heads the ``multi_head`` default section serves (it gives time ``num_kv_heads // 4`` of them)
 MIN_MULTI_HEAD_KV = 4
 
 
-def _check_name(allocation: str) -> None:
-    if allocation not in ALLOCATIONS:
+@dataclass(frozen=True, kw_only=True)
+class Allocation:
+    """One frequency allocation as data: its map, its default section and the facts callers read instead of
+    comparing names. The methods and released sections are the table above (Qwen2-VL, MRoPE-I / Qwen3-VL, MHRoPE,
+    VideoRoPE, HoPE, VRoPE); the census tests of tests/test_mm_rotary.py check every map against them.
+
+    Attributes:
+        name: the allocation's name (its key in :data:`ALLOCATIONS`).
+        build: ``(k, K, A, section, num_kv_heads) -> map``, ``k = arange(K)``; the section is already resolved.
+        default_section: ``(K, A, num_kv_heads) -> section``, the released values scaled to ``K`` pairs.
+        axes: the number of position axes read without a section (None: the design's count); ignored when
+            ``one_axis``.
+        section_sets_axes: a given section's length is the number of axes read (one entry per axis).
+        one_axis: every pair reads axis 0 (plain 1D RoPE): ids of any axis count, takes no section; the only
+            kind a layer-dependent design (one 1D position per layer, PyPE) pairs with.
+        per_head: the map is per KV head, ``(H_kv, K)``, and the tables ``(B, H_kv, S, D)``.
+    """
+
+    name: str
+    build: Callable[[Tensor, int, int, tuple[int, ...], int | None], Tensor]
+    default_section: Callable[[int, int, int | None], tuple[int, ...]]
+    axes: int | None = 3
+    section_sets_axes: bool = True
+    one_axis: bool = False
+    per_head: bool = False
+
+    def axes_read(self, section: Sequence[int] | None, num_axes: int) -> int | None:
+        """Number of position axes this allocation reads (None: any, it only reads axis 0)."""
+        if self.one_axis:
+            return None
+        if section is not None and self.section_sets_axes:
+            return len(section)
+        return num_axes if self.axes is None else self.axes
+
+
+def _thirds(K: int, A: int, num_kv_heads: int | None) -> tuple[int, ...]:
+    t = K // 4
+    w = (K - t) // 2
+    return (t, K - t - w, w)  # [16, 24, 24] at K = 64
+
+
+def _interleaved_section(K: int, A: int, num_kv_heads: int | None) -> tuple[int, ...]:
+    if A == 3:
+        hw = (K * 5) // 16
+        return (K - 2 * hw, hw, hw)  # [24, 20, 20] at K = 64
+    per = K // A
+    return (K - per * (A - 1),) + (per,) * (A - 1)
+
+
+def _head_section(K: int, A: int, num_kv_heads: int | None) -> tuple[int, ...]:
+    if num_kv_heads is None:
+        raise ValueError("the multi_head allocation needs num_kv_heads (the number of key/value heads)")
+    if isinstance(num_kv_heads, bool) or int(num_kv_heads) != num_kv_heads or num_kv_heads < MIN_MULTI_HEAD_KV:
+        raise ValueError(
+            f"the multi_head allocation's default section gives time num_kv_heads // 4 KV heads, so it needs "
+            f"num_kv_heads >= {MIN_MULTI_HEAD_KV} (with fewer, time would get no head); got num_kv_heads="
+            f"{num_kv_heads!r}: use a model with at least {MIN_MULTI_HEAD_KV} KV heads or pass section=[t, h, w] "
+            f"(KV heads per axis, e.g. [1, 1, 1] of 3)"
+        )
+    t = num_kv_heads // 4
+    w = (num_kv_heads - t) // 2
+    return (t, num_kv_heads - t - w, w)  # [2, 3, 3] of 8 KV heads
+
+
+def _no_section(K: int, A: int, num_kv_heads: int | None) -> tuple[int, ...]:
+    return ()
+
+
+def _build_none(k: Tensor, K: int, A: int, sec: tuple[int, ...], num_kv_heads: int | None) -> Tensor:
+    return torch.zeros(K, dtype=torch.int64)  # (K,) every pair reads axis 0
+
+
+def _build_chunked(k: Tensor, K: int, A: int, sec: tuple[int, ...], num_kv_heads: int | None) -> Tensor:
+    if sum(sec) != K:
+        raise ValueError(f"chunked allocation: section {list(sec)} must sum to the {K} rotary pairs (head_dim / 2)")
+    return torch.repeat_interleave(torch.arange(len(sec)), torch.tensor(sec))  # (K,)
+
+
+def _build_interleaved(k: Tensor, K: int, A: int, sec: tuple[int, ...], num_kv_heads: int | None) -> Tensor:
+    if sum(sec) != K:
+        raise ValueError(f"interleaved allocation: section {list(sec)} must sum to the {K} rotary pairs")
+    amap = torch.zeros(K, dtype=torch.int64)  # (K,)
+    for a in range(1, A):  # a handful of axes, not tokens
+        amap[(k % A == a) & (k < A * sec[a])] = a
+    counts = torch.bincount(amap, minlength=A).tolist()
+    if tuple(counts) != sec:
+        raise ValueError(
+            f"interleaved allocation: section {list(sec)} cannot be interleaved over {K} pairs (axis a > 0 takes "
+            f"pairs k = a mod {A} below {A} * section[a]; this gives {counts}); give axis 0 the largest share"
+        )
+    return amap
+
+
+def _build_heads(k: Tensor, K: int, A: int, sec: tuple[int, ...], num_kv_heads: int | None) -> Tensor:
+    if num_kv_heads is None or num_kv_heads < 1:
+        raise ValueError("multi_head allocation: num_kv_heads (number of key/value heads) must be >= 1")
+    if sum(sec) > num_kv_heads:
+        raise ValueError(
+            f"multi_head allocation: section {list(sec)} assigns {sum(sec)} KV heads but the model has "
+            f"num_kv_heads={num_kv_heads}"
+        )
+    head_axis = torch.full((num_kv_heads,), -1, dtype=torch.int64)  # (H_kv,)
+    head_axis[: sum(sec)] = torch.repeat_interleave(torch.arange(len(sec)), torch.tensor(sec))
+    return head_axis.view(-1, 1).expand(num_kv_heads, K).clone()  # (H_kv, K)
+
+
+def _build_temporal_band(temporal: int, name: str):
+    """The map of ``low_freq_temporal`` (band ``temporal = 0``, time) and ``hybrid`` (``-1``, no position)."""
+
+    def build(k: Tensor, K: int, A: int, sec: tuple[int, ...], num_kv_heads: int | None) -> Tensor:
+        if len(sec) != 3 or sum(sec) != K:
+            raise ValueError(
+                f"{name} allocation: section [t, h, w] must have 3 entries summing to {K}, got {list(sec)}"
+            )
+        spatial = K - sec[0]
+        if (sec[1], sec[2]) != ((spatial + 1) // 2, spatial // 2):
+            raise ValueError(
+                f"{name} allocation: the {spatial} spatial pairs alternate h/w, so section must be "
+                f"[{sec[0]}, {(spatial + 1) // 2}, {spatial // 2}], got {list(sec)}"
+            )
+        amap = torch.where(k % 2 == 0, 1, 2)  # (K,) h on even pairs, w on odd ones
+        return torch.where(k >= spatial, temporal, amap).to(torch.int64)
+
+    return build
+
+
+#: every frequency allocation by name, in the order of the table above
+ALLOCATIONS: dict[str, Allocation] = {
+    a.name: a
+    for a in (
+        Allocation(name="none", build=_build_none, default_section=_no_section, axes=None, one_axis=True),
+        Allocation(name="chunked", build=_build_chunked, default_section=_thirds),
+        Allocation(name="interleaved", build=_build_interleaved, default_section=_interleaved_section, axes=None),
+        Allocation(name="multi_head", build=_build_heads, default_section=_head_section, per_head=True),
+        Allocation(name="low_freq_temporal", build=_build_temporal_band(0, "low_freq_temporal"),
+                   default_section=_thirds, section_sets_axes=False),
+        Allocation(name="hybrid", build=_build_temporal_band(-1, "hybrid"), default_section=_thirds,
+                   section_sets_axes=False),
+    )
+}
+
+
+def get_allocation(allocation: str | Allocation) -> Allocation:
+    """The :class:`Allocation` of a name (or the Allocation itself); ``ValueError`` naming them all otherwise."""
+    if isinstance(allocation, Allocation):
+        return allocation
+    if not isinstance(allocation, str) or allocation not in ALLOCATIONS:
         raise ValueError(f"unknown frequency allocation {allocation!r}; allocations are: {', '.join(ALLOCATIONS)}")
+    return ALLOCATIONS[allocation]
 
 
 def default_section(
     allocation: str, num_pairs: int, num_axes: int = 3, num_kv_heads: int | None = None
 ) -> tuple[int, ...]:
     """The default ``section`` of an allocation, scaled to ``num_pairs`` (the released values at K = 64)."""
-    _check_name(allocation)
-    K = num_pairs
-    if allocation == "chunked" or allocation in ("low_freq_temporal", "hybrid"):
-        t = K // 4
-        w = (K - t) // 2
-        return (t, K - t - w, w)  # [16, 24, 24] at K = 64
-    if allocation == "interleaved":
-        if num_axes == 3:
-            hw = (K * 5) // 16
-            return (K - 2 * hw, hw, hw)  # [24, 20, 20] at K = 64
-        per = K // num_axes
-        return (K - per * (num_axes - 1),) + (per,) * (num_axes - 1)
-    if allocation == "multi_head":
-        if num_kv_heads is None:
-            raise ValueError("the multi_head allocation needs num_kv_heads (the number of key/value heads)")
-        if isinstance(num_kv_heads, bool) or int(num_kv_heads) != num_kv_heads or num_kv_heads < MIN_MULTI_HEAD_KV:
-            raise ValueError(
-                f"the multi_head allocation's default section gives time num_kv_heads // 4 KV heads, so it needs "
-                f"num_kv_heads >= {MIN_MULTI_HEAD_KV} (with fewer, time would get no head); got num_kv_heads="
-                f"{num_kv_heads!r}: use a model with at least {MIN_MULTI_HEAD_KV} KV heads or pass section=[t, h, w] "
-                f"(KV heads per axis, e.g. [1, 1, 1] of 3)"
-            )
-        t = num_kv_heads // 4
-        w = (num_kv_heads - t) // 2
-        return (t, num_kv_heads - t - w, w)  # [2, 3, 3] of 8 KV heads
-    return ()
+    return get_allocation(allocation).default_section(num_pairs, num_axes, num_kv_heads)
 
 
 def axes_of(allocation: str, section: Sequence[int] | None, num_axes: int) -> int | None:
     """Number of position axes an allocation reads (None: any, it only reads axis 0)."""
-    _check_name(allocation)
-    if allocation == "none":
-        return None
-    if allocation in ("low_freq_temporal", "hybrid"):
-        return 3
-    if section is not None:
-        return len(section)
-    return 3 if allocation in ("chunked", "multi_head") else num_axes
+    return get_allocation(allocation).axes_read(section, num_axes)
 
 
 def _section(allocation, section, K, A, num_kv_heads) -> tuple[int, ...]:
@@ -135,64 +250,16 @@ def _on_device(allocation, K, num_axes, section, num_kv_heads, device) -> Tensor
 
 
 def _allocation_map(allocation, K, num_axes, section, num_kv_heads) -> Tensor:
-    _check_name(allocation)
-    device = None
+    alloc = get_allocation(allocation)
     if K < 1:
         raise ValueError(f"rotary allocations need at least one rotation pair, got num_pairs={K}")
-    k = torch.arange(K, device=device)
-    if allocation == "none":
+    if alloc.one_axis:
         if section is not None:
-            raise ValueError("the 'none' allocation (plain 1D RoPE) takes no section")
-        return torch.zeros(K, dtype=torch.int64, device=device)
-    A = axes_of(allocation, section, num_axes)
-    sec = _section(allocation, section, K, A, num_kv_heads)
-
-    if allocation == "chunked":
-        if sum(sec) != K:
-            raise ValueError(f"chunked allocation: section {list(sec)} must sum to the {K} rotary pairs (head_dim / 2)")
-        return torch.repeat_interleave(torch.arange(len(sec), device=device), torch.tensor(sec, device=device))
-
-    if allocation == "interleaved":
-        if sum(sec) != K:
-            raise ValueError(f"interleaved allocation: section {list(sec)} must sum to the {K} rotary pairs")
-        amap = torch.zeros(K, dtype=torch.int64, device=device)
-        for a in range(1, A):  # a handful of axes, not tokens
-            amap[(k % A == a) & (k < A * sec[a])] = a
-        counts = torch.bincount(amap, minlength=A).tolist()
-        if tuple(counts) != sec:
-            raise ValueError(
-                f"interleaved allocation: section {list(sec)} cannot be interleaved over {K} pairs (axis a > 0 takes "
-                f"pairs k = a mod {A} below {A} * section[a]; this gives {counts}); give axis 0 the largest share"
-            )
-        return amap
-
-    if allocation == "multi_head":
-        if num_kv_heads is None or num_kv_heads < 1:
-            raise ValueError("multi_head allocation: num_kv_heads (number of key/value heads) must be >= 1")
-        if sum(sec) > num_kv_heads:
-            raise ValueError(
-                f"multi_head allocation: section {list(sec)} assigns {sum(sec)} KV heads but the model has "
-                f"num_kv_heads={num_kv_heads}"
-            )
-        head_axis = torch.full((num_kv_heads,), -1, dtype=torch.int64, device=device)
-        head_axis[: sum(sec)] = torch.repeat_interleave(torch.arange(len(sec), device=device),
-                                                        torch.tensor(sec, device=device))
-        return head_axis.view(-1, 1).expand(num_kv_heads, K).clone()  # (H_kv, K)
-
-    # low_freq_temporal / hybrid
-    if len(sec) != 3 or sum(sec) != K:
-        raise ValueError(
-            f"{allocation} allocation: section [t, h, w] must have 3 entries summing to {K}, got {list(sec)}"
-        )
-    spatial = K - sec[0]
-    if (sec[1], sec[2]) != ((spatial + 1) // 2, spatial // 2):
-        raise ValueError(
-            f"{allocation} allocation: the {spatial} spatial pairs alternate h/w, so section must be "
-            f"[{sec[0]}, {(spatial + 1) // 2}, {spatial // 2}], got {list(sec)}"
-        )
-    amap = torch.where(k % 2 == 0, 1, 2)
-    temporal = 0 if allocation == "low_freq_temporal" else -1
-    return torch.where(k >= spatial, temporal, amap).to(torch.int64)
+            raise ValueError(f"the {alloc.name!r} allocation (plain 1D RoPE) takes no section")
+        return alloc.build(torch.arange(K), K, 1, (), num_kv_heads)
+    A = alloc.axes_read(section, num_axes)
+    sec = _section(alloc.name, section, K, A, num_kv_heads)
+    return alloc.build(torch.arange(K), K, A, sec, num_kv_heads)  # (K,) or (H_kv, K)
 
 
 def frequency_matrix(amap: Tensor, inv_freq: Tensor, num_axes: int) -> Tensor:

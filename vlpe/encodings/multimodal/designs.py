@@ -36,6 +36,7 @@ from typing import Any, Callable, Sequence
 import torch
 from torch import Tensor
 
+from .grid_ids import grid_position_ids
 from .layout import Check, TokenLayout
 
 __all__ = ["Design", "DesignOut", "DESIGNS", "get_design", "assemble", "V2PE_STRIDES", "HOPE_SCALES"]
@@ -69,13 +70,39 @@ class DesignOut:
     text_zero: bool = False
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Design:
+    """One position design as data: its function and the facts callers read instead of comparing names.
+
+    The methods and the released code each design follows are the table above; tests/test_mm_position_ids.py pins
+    every design's ids against that code, tests/test_mm_designs_facts.py checks the facts against the ids.
+
+    Attributes:
+        name: the design's name (its key in :data:`DESIGNS`).
+        fn: ``(layout, options) -> DesignOut``.
+        defaults: every option the design takes, with its default.
+        summary: one line on the method.
+        axes: the number of position axes A (rows of ``position_ids``), or the name of the option that sets it
+            (PyPE: ``"depth"``, one axis per decoder layer).
+        split_frames: every video frame is its own ``T = 1`` block.
+        layered: every axis is one decoder layer's 1D position (PyPE): layer ``l`` rotates with plain 1D RoPE at
+            axis ``l``, so it pairs only with a one-axis allocation and ``rope_deltas`` are ``(B, A)``.
+        needs_mask: the design brings its own attention mask, built from its ids (PyPE's ring mask,
+            :func:`vlpe.encodings.multimodal.pype_attention_mask`), which replaces the causal mask.
+        fused: an exact fused path ``(types, grid_thw, attention_mask, options, *, spatial_merge_size,
+            pad_position, dtype, validate) -> (ids, deltas) | None`` for unpacked batches (None: the layout path;
+            a path may also return None to fall back to it).
+    """
+
     name: str
     fn: Callable[[TokenLayout, dict[str, Any]], DesignOut]
     defaults: dict[str, Any]
-    split_frames: bool
     summary: str
+    axes: int | str = 3
+    split_frames: bool = False
+    layered: bool = False
+    needs_mask: bool = False
+    fused: Callable[..., tuple[Tensor, Tensor] | None] | None = None
 
     def options(self, given: dict[str, Any]) -> dict[str, Any]:
         unknown = sorted(set(given) - set(self.defaults))
@@ -86,6 +113,10 @@ class Design:
                 "pad_position, dtype, validate)"
             )
         return {**self.defaults, **given}
+
+    def num_axes(self, given: dict[str, Any]) -> int:
+        """The number of position axes A; the ``given`` options are read (and checked) only when one sets it."""
+        return self.axes if isinstance(self.axes, int) else int(self.options(given)[self.axes])
 
 
 def _integral(x: float) -> bool:
@@ -245,27 +276,39 @@ def _pype(L: TokenLayout, o: dict) -> DesignOut:
     return DesignOut(offsets, T * (M + 1), (True,) * depth, False)
 
 
+def _grid_fused(types, grid_thw, attention_mask, o: dict, *, spatial_merge_size, pad_position, dtype, validate):
+    """Qwen2-VL MRoPE (and its spatial reset) straight from the grids (:mod:`.grid_ids`), no token layout."""
+    return grid_position_ids(
+        types, grid_thw, attention_mask, spatial_merge_size=spatial_merge_size,
+        temporal_stride=o["temporal_stride"], spatial_reset=o["spatial_reset"],
+        pad_position=pad_position, dtype=dtype, validate=validate,
+    )
+
+
 DESIGNS: dict[str, Design] = {
     d.name: d
     for d in (
-        Design("1d", _one_d, {}, False, "vanilla 1D RoPE: every token advances the position by one"),
-        Design("grid", _grid, {"temporal_stride": 1, "spatial_reset": False}, False,
-               "Qwen2-VL MRoPE grid (released semantics: next text at the maximum over all axes + 1)"),
-        Design("spatial_reset", _grid, {"temporal_stride": 1, "spatial_reset": True}, False,
-               "MRoPE-I spatial reset: h, w local to the block, only t carries the offset"),
-        Design("absolute_time", _absolute_time, {"second_per_grid_ts": None, "tokens_per_second": 2}, False,
-               "Qwen2.5-VL absolute time: t = floor(tau * second_per_grid_t * tokens_per_second)"),
-        Design("per_frame", _grid, {"temporal_stride": 1, "spatial_reset": False}, True,
-               "Qwen3-VL: every frame is its own T = 1 block (timestamps are text between frames)"),
-        Design("diagonal", _diagonal,
-               {"temporal_scale": 2.0, "temporal_scales": HOPE_SCALES, "training": False, "generator": None}, False,
-               "VideoRoPE / HoPE diagonal layout with temporal scale (delta or gamma)"),
-        Design("vrope", _vrope, {}, False, "VRoPE: four diagonal coordinates, frames tile the index line"),
-        Design("v2pe", _v2pe,
-               {"mode": "fix", "stride": 64, "strides": V2PE_STRIDES, "tile_tokens": 256, "generator": None}, False,
-               "V2PE: fractional increments delta = stride / 256 inside images"),
-        Design("pype", _pype, {"depth": 32, "interval": 4}, False,
-               "PyPE: per-layer concentric rings, periphery first, expanding centre"),
+        Design(name="1d", fn=_one_d, defaults={}, axes=1,
+               summary="vanilla 1D RoPE: every token advances the position by one"),
+        Design(name="grid", fn=_grid, defaults={"temporal_stride": 1, "spatial_reset": False}, fused=_grid_fused,
+               summary="Qwen2-VL MRoPE grid (released semantics: next text at the maximum over all axes + 1)"),
+        Design(name="spatial_reset", fn=_grid, defaults={"temporal_stride": 1, "spatial_reset": True},
+               fused=_grid_fused,
+               summary="MRoPE-I spatial reset: h, w local to the block, only t carries the offset"),
+        Design(name="absolute_time", fn=_absolute_time, defaults={"second_per_grid_ts": None, "tokens_per_second": 2},
+               summary="Qwen2.5-VL absolute time: t = floor(tau * second_per_grid_t * tokens_per_second)"),
+        Design(name="per_frame", fn=_grid, defaults={"temporal_stride": 1, "spatial_reset": False}, split_frames=True,
+               summary="Qwen3-VL: every frame is its own T = 1 block (timestamps are text between frames)"),
+        Design(name="diagonal", fn=_diagonal,
+               defaults={"temporal_scale": 2.0, "temporal_scales": HOPE_SCALES, "training": False, "generator": None},
+               summary="VideoRoPE / HoPE diagonal layout with temporal scale (delta or gamma)"),
+        Design(name="vrope", fn=_vrope, defaults={}, axes=4,
+               summary="VRoPE: four diagonal coordinates, frames tile the index line"),
+        Design(name="v2pe", fn=_v2pe, axes=1,
+               defaults={"mode": "fix", "stride": 64, "strides": V2PE_STRIDES, "tile_tokens": 256, "generator": None},
+               summary="V2PE: fractional increments delta = stride / 256 inside images"),
+        Design(name="pype", fn=_pype, defaults={"depth": 32, "interval": 4}, axes="depth", layered=True,
+               needs_mask=True, summary="PyPE: per-layer concentric rings, periphery first, expanding centre"),
     )
 }
 

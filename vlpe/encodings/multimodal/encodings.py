@@ -9,7 +9,7 @@ variant of :func:`vlpe.encodings.multimodal.rotary` uses the same frequencies an
 
 from __future__ import annotations
 
-from typing import Any, ClassVar, Literal, Mapping, Sequence
+from typing import Any, Callable, ClassVar, Literal, Mapping, Sequence
 
 import torch
 from torch import Tensor
@@ -25,6 +25,7 @@ from .variants import VARIANTS, Variant, get_variant
 from .variants import position_ids as _position_ids
 
 __all__ = [
+    "encoding",
     "MultimodalRoPE",
     "MRoPE",
     "Qwen25VLRoPE",
@@ -73,10 +74,10 @@ class MultimodalRoPE(RotaryEncoding):
         """The encoding of any variant: the registered view when ``variant`` is a preset, otherwise the class
         its structure needs (per-layer PyPE, per-head ``multi_head``, or this base) holding ``variant``."""
         v = get_variant(variant)
-        for sub in _views():
+        for sub in _VIEWS:
             if sub.variant == v:
                 return construct(sub, dim=dim, num_heads=num_heads, **options)
-        klass = PyPE if v.layered else MultiHeadRoPE if v.allocation == "multi_head" else MultimodalRoPE
+        klass = PyPE if v.layered else MultiHeadRoPE if v.per_head else MultimodalRoPE
         if klass is MultimodalRoPE and "num_axes" not in options:
             options["num_axes"] = v.num_axes()
         spec, own = resolve_spec(klass, dim=dim, num_heads=num_heads, who=f"variant {v.name or v.design!r}", **options)
@@ -131,7 +132,36 @@ class MultimodalRoPE(RotaryEncoding):
         return f"{super().extra_repr()}, theta={self.theta}, section={self.section}"
 
 
-@register("mrope")
+def encoding(variant: str | Variant, *, dim: int, num_heads: int, **options: Any) -> MultimodalRoPE:
+    """Any variant as a vlpe encoding (an ``nn.Module`` rotating q/k with its allocation): the registered view of
+    a preset, otherwise the class its structure needs (:meth:`MultimodalRoPE.of`)."""
+    return MultimodalRoPE.of(variant, dim=dim, num_heads=num_heads, **options)
+
+
+#: the registered classes, each a view of one preset of :data:`VARIANTS`, in order of registration
+_VIEWS: list[type[MultimodalRoPE]] = []
+
+
+def _view(name: str) -> Callable[[type[MultimodalRoPE]], type[MultimodalRoPE]]:
+    """Class decorator: the class is the encoding of the preset ``VARIANTS[name]``, holds that object itself, reads
+    the axis count its design declares (any for a layer-dependent one: its ``depth``) and is registered under its
+    one name."""
+    variant = VARIANTS[name]
+
+    def deco(cls: type[MultimodalRoPE]) -> type[MultimodalRoPE]:
+        cls.variant = variant
+        if variant.layered:
+            cls.supported_axes = None
+        else:
+            cls.supported_axes = (variant.num_axes(),)
+            cls.default_num_axes = variant.num_axes()
+        _VIEWS.append(cls)
+        return register(variant.name)(cls)
+
+    return deco
+
+
+@_view("mrope")
 class MRoPE(MultimodalRoPE):
     """MRoPE of Qwen2-VL (Wang et al., arXiv 2409.12191): chunked (t, h, w) pairs, ``mrope_section`` [16, 24, 24].
 
@@ -139,11 +169,8 @@ class MRoPE(MultimodalRoPE):
     ``Qwen2VLRotaryEmbedding`` and ids against ``Qwen2VLModel.get_rope_index``.
     """
 
-    variant = VARIANTS["mrope"]
-    supported_axes = (3,)
 
-
-@register("qwen25vl")
+@_view("qwen25vl")
 class Qwen25VLRoPE(MRoPE):
     """Qwen2.5-VL (Bai et al., arXiv 2502.13923): MRoPE with absolute-time temporal ids, base 1e6.
 
@@ -151,10 +178,8 @@ class Qwen25VLRoPE(MRoPE):
     is checked against a loop of the released transformers 4.x semantics.
     """
 
-    variant = VARIANTS["qwen25vl"]
 
-
-@register("mrope_i")
+@_view("mrope_i")
 class MRoPEInterleave(MultimodalRoPE):
     """MRoPE-Interleave (Huang et al., "Revisiting Multimodal Positional Encoding in VLMs", arXiv 2510.23095).
 
@@ -163,11 +188,8 @@ class MRoPEInterleave(MultimodalRoPE):
     ``Qwen3VLTextRotaryEmbedding``.
     """
 
-    variant = VARIANTS["mrope_i"]
-    supported_axes = (3,)
 
-
-@register("qwen3vl")
+@_view("qwen3vl")
 class Qwen3VLRoPE(MRoPEInterleave):
     """Qwen3-VL (Qwen team 2025): MRoPE-I allocation, per-frame video blocks separated by timestamp text, base 5e6.
 
@@ -175,10 +197,8 @@ class Qwen3VLRoPE(MRoPEInterleave):
     ``Qwen3VLTextRotaryEmbedding``.
     """
 
-    variant = VARIANTS["qwen3vl"]
 
-
-@register("mhrope")
+@_view("mhrope")
 class MultiHeadRoPE(MultimodalRoPE):
     """Multi-Head RoPE (Huang et al., arXiv 2510.23095): whole KV heads per axis ([2, 3, 3] of 8), GQA aware.
 
@@ -186,8 +206,6 @@ class MultiHeadRoPE(MultimodalRoPE):
     heads beyond the section sum carry no position. Checked against JJJYmmm/Multimodal-RoPEs ``mhrope``.
     """
 
-    variant = VARIANTS["mhrope"]
-    supported_axes = (3,)
     takes_kv_heads = True
 
     def __init__(self, *, spec: EncodingSpec, **kwargs) -> None:
@@ -198,11 +216,12 @@ class MultiHeadRoPE(MultimodalRoPE):
         H, Hkv = self.num_heads, self.num_kv_heads
         if Hkv is None or Hkv < 1 or H % Hkv:
             raise ValueError(f"num_kv_heads must divide num_heads={H}, got {Hkv}")
-        amap = allocation_map("multi_head", num_pairs=self.head_dim // 2, section=self.section, num_kv_heads=Hkv)
+        amap = allocation_map(self.spec.allocation, num_pairs=self.head_dim // 2, section=self.section,
+                              num_kv_heads=Hkv)  # (H_kv, D/2)
         return amap.repeat_interleave(H // Hkv, dim=0)  # (H, D/2): query head j reads KV head j // rep
 
 
-@register("videorope")
+@_view("videorope")
 class VideoRoPE(MultimodalRoPE):
     """VideoRoPE (Wei et al., ICML 2025, arXiv 2502.05173): low-frequency temporal allocation + diagonal layout.
 
@@ -211,11 +230,8 @@ class VideoRoPE(MultimodalRoPE):
     ``apply_m_modify_multimodal_rotary_pos_emb``.
     """
 
-    variant = VARIANTS["videorope"]
-    supported_axes = (3,)
 
-
-@register("hope_video")
+@_view("hope_video")
 class HoPEVideo(MultimodalRoPE):
     """HoPE for video (Li et al., NeurIPS 2025, arXiv 2505.20444): hybrid allocation + dynamic temporal scaling.
 
@@ -224,11 +240,8 @@ class HoPEVideo(MultimodalRoPE):
     hrlics/HoPE ``apply_hybrid_multimodal_rotary_pos_emb`` and ``get_dynamic_rope_index``.
     """
 
-    variant = VARIANTS["hope_video"]
-    supported_axes = (3,)
 
-
-@register("vrope")
+@_view("vrope")
 class VRoPE(MultimodalRoPE):
     """VRoPE (Liu et al., EMNLP 2025, arXiv 2502.11664): four diagonal coordinates, pair k reads ``U_{k mod 4}``.
 
@@ -236,24 +249,16 @@ class VRoPE(MultimodalRoPE):
     against johncaged/VRoPE ``generate_nd_positions``.
     """
 
-    variant = VARIANTS["vrope"]
-    supported_axes = (4,)
-    default_num_axes = 4
 
-
-@register("v2pe")
+@_view("v2pe")
 class V2PE(MultimodalRoPE):
     """V2PE (Ge et al., arXiv 2412.09616): 1D RoPE with fractional increments delta = stride / 256 in images.
 
     Plain 1D frequencies on float positions; ids checked against OpenGVLab/V2PE ``get_rope_pos_id``.
     """
 
-    variant = VARIANTS["v2pe"]
-    supported_axes = (1,)
-    default_num_axes = 1
 
-
-@register("pype")
+@_view("pype")
 class PyPE(MultimodalRoPE):
     """PyPE (Chen et al., arXiv 2501.10967): per-layer concentric ring positions plus the ring attention mask.
 
@@ -263,8 +268,6 @@ class PyPE(MultimodalRoPE):
     ``is_causal``). Checked against SakuraTroyChen/PyPE ``pype_forward``.
     """
 
-    variant = VARIANTS["pype"]
-    supported_axes = None
     #: the property kit runs the rotation alone (the -inf mask makes logit differences NaN)
     example: ClassVar[dict] = {"mask": False}
 
@@ -344,7 +347,3 @@ class PyPE(MultimodalRoPE):
         self.mask = False
         return self
 
-
-def _views() -> list[type[MultimodalRoPE]]:
-    """The registered classes, each a view of one preset of :data:`VARIANTS`."""
-    return [MRoPE, Qwen25VLRoPE, MRoPEInterleave, Qwen3VLRoPE, MultiHeadRoPE, VideoRoPE, HoPEVideo, VRoPE, V2PE, PyPE]

@@ -18,21 +18,16 @@ from torch import Tensor
 from ..functional.rope import apply_rope, cos_sin, inv_freq as _inv_freq, rope_angles
 from ..functional.scaling import parse_scaling, scale_frequencies
 from .allocations import allocation_map, axes_of, frequency_matrix
-from .designs import get_design
 from .variants import Variant, get_variant
 
 __all__ = ["rotary", "frequencies", "tables", "apply_rotary_pos_emb", "axes_read"]
-
-
-def _layered(v: Variant) -> bool:
-    return get_design(v.design).name == "pype"
 
 
 def axes_read(variant: str | Variant, num_axes: int, *, section: Sequence[int] | None = None) -> int:
     """The number of position axes the tables of ``variant`` read from ids with ``num_axes`` rows: the
     allocation's own count (a single row is broadcast to it), or ``num_axes`` for allocations that read any."""
     v = get_variant(variant)
-    if _layered(v):
+    if v.layered:
         return num_axes
     sec = tuple(section) if section is not None else v.section
     need = axes_of(v.allocation, sec, v.num_axes())
@@ -83,8 +78,8 @@ def frequencies(
         if freqs.numel() != K:
             raise ValueError(f"inv_freq must have rotary_dim / 2 = {K} entries, got {freqs.numel()}")
     spectrum = {"hi": 1.0, "lo": theta ** (-(K - 1) / K), "num_pairs": K}  # the frequencies of theta
-    if _layered(v):
-        amap = allocation_map("none", num_pairs=K, device=freqs.device)
+    if v.layered:  # its allocation reads one axis (Variant checks it)
+        amap = allocation_map(v.allocation, num_pairs=K, device=freqs.device)
         F = frequency_matrix(amap, freqs, 1)  # (1, K): every layer is its own 1D position
         plan = parse_scaling(scaling, num_axes=1, who=f"rotary({v.label!r})")
     else:
@@ -187,7 +182,7 @@ def rotary(
         ids = ids.unsqueeze(0)
     if ids.dim() != 3:
         raise ValueError(f"position_ids must have shape (A, B, S) (or (B, S)), got {tuple(ids.shape)}")
-    layered = _layered(v)
+    layered = v.layered
     if layer is not None and not layered:
         raise ValueError(f"layer= is only for the layer-dependent PyPE design, not {v.label}")
     A = axes_read(v, ids.shape[0], section=section)

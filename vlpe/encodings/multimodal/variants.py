@@ -8,9 +8,8 @@ from typing import Any, Mapping, Sequence
 import torch
 from torch import Tensor
 
-from .allocations import ALLOCATIONS
+from .allocations import ALLOCATIONS, get_allocation
 from .designs import DESIGNS, assemble, get_design
-from .grid_ids import grid_position_ids
 from .layout import merge_divisor, packed_samples, token_layout
 
 __all__ = [
@@ -23,9 +22,6 @@ __all__ = [
     "pype_attention_mask",
     "text_position_ids",
 ]
-
-_AXES = {"1d": 1, "v2pe": 1, "vrope": 4}  # every other design but pype has (t, h, w); pype has one per layer
-
 
 @dataclass(frozen=True)
 class Variant:
@@ -52,13 +48,11 @@ class Variant:
 
     def __post_init__(self) -> None:
         d = get_design(self.design)
-        if self.allocation not in ALLOCATIONS:
-            raise ValueError(
-                f"unknown frequency allocation {self.allocation!r}; allocations are: {', '.join(ALLOCATIONS)}"
-            )
+        a = get_allocation(self.allocation)
         d.options(dict(self.design_options))  # unknown options fail now
-        if d.name == "pype" and self.allocation != "none":
-            raise ValueError("the pype design has one position axis per layer; pair it with the 'none' allocation")
+        if d.layered and not a.one_axis:
+            fits = " or ".join(repr(n) for n, b in ALLOCATIONS.items() if b.one_axis)
+            raise ValueError(f"the {d.name} design has one position axis per layer; pair it with the {fits} allocation")
         if self.section is not None:
             object.__setattr__(self, "section", tuple(self.section))
         if self.theta <= 0:
@@ -69,21 +63,25 @@ class Variant:
         return self.name or f"{self.design}+{self.allocation}"
 
     def num_axes(self, **options: Any) -> int:
-        """Number of position axes A the design produces (PyPE: its ``depth``)."""
-        d = get_design(self.design)
-        if d.name == "pype":
-            return int(d.options({**self.design_options, **options})["depth"])
-        return _AXES.get(d.name, 3)
+        """Number of position axes A the design produces (:attr:`Design.axes`; PyPE: its ``depth``)."""
+        return get_design(self.design).num_axes({**self.design_options, **options})
 
     @property
     def layered(self) -> bool:
-        """The design gives every decoder layer its own positions (PyPE): ids ``(depth, B, S)``."""
-        return get_design(self.design).name == "pype"
+        """The design gives every decoder layer its own positions (PyPE): ids ``(depth, B, S)``
+        (:attr:`Design.layered`)."""
+        return get_design(self.design).layered
 
     @property
     def masked(self) -> bool:
-        """The design brings its own attention mask (PyPE, :func:`pype_attention_mask`)."""
-        return self.layered
+        """The design brings its own attention mask (PyPE, :func:`pype_attention_mask`; :attr:`Design.needs_mask`)."""
+        return get_design(self.design).needs_mask
+
+    @property
+    def per_head(self) -> bool:
+        """The allocation gives whole KV heads to an axis (MHRoPE): tables ``(B, H_kv, S, D)``
+        (:attr:`Allocation.per_head`)."""
+        return get_allocation(self.allocation).per_head
 
     def with_options(
         self,
@@ -106,21 +104,10 @@ class Variant:
             changes["theta"] = float(theta)
         return replace(v, **changes) if changes else v
 
-    def encoding(self, *, dim: int, num_heads: int, **options: Any):
-        """This variant as a vlpe encoding (an ``nn.Module`` rotating q/k with its allocation; see
-        :class:`vlpe.encodings.multimodal.encodings.MultimodalRoPE`)."""
-        from .encodings import MultimodalRoPE
-
-        return MultimodalRoPE.of(self, dim=dim, num_heads=num_heads, **options)
-
-    # the functional API, bound to this variant
+    # the position ids of this variant; its tables are ``mm.rotary(variant, ...)`` and its encoding
+    # ``mm.encoding(variant, ...)``, in the modules above this one
     def position_ids(self, mm_token_type_ids, grid_thw, attention_mask=None, spatial_merge_size=2, **options):
         return position_ids(self, mm_token_type_ids, grid_thw, attention_mask, spatial_merge_size, **options)
-
-    def rotary(self, ids: Tensor, **kwargs):
-        from .rotary import rotary
-
-        return rotary(self, ids, **kwargs)
 
     def decode_position_ids(self, rope_deltas: Tensor, cache_position: Tensor, **kwargs):
         return decode_position_ids(self, rope_deltas, cache_position, **kwargs)
@@ -220,10 +207,9 @@ def position_ids(
     design = get_design(v.design)
     opts = design.options({**v.design_options, **options})
     _check_not_empty(mm_token_type_ids, "mm_token_type_ids")
-    if cu_seqlens is None and design.name in ("grid", "spatial_reset"):  # Qwen2-VL MRoPE: the fused path
-        fused = grid_position_ids(
-            mm_token_type_ids, grid_thw, attention_mask, spatial_merge_size=spatial_merge_size,
-            temporal_stride=opts["temporal_stride"], spatial_reset=opts["spatial_reset"],
+    if cu_seqlens is None and design.fused is not None:  # a design's exact fused path (Qwen2-VL MRoPE)
+        fused = design.fused(
+            mm_token_type_ids, grid_thw, attention_mask, opts, spatial_merge_size=spatial_merge_size,
             pad_position=pad_position, dtype=dtype, validate=validate,
         )
         if fused is not None:

@@ -102,7 +102,7 @@ class Patch(PositionIds, AttentionHooks):
 
     @property
     def per_head(self) -> bool:
-        return self.variant.allocation == "multi_head"
+        return self.variant.per_head
 
     @property
     def text(self) -> nn.Module:
@@ -201,10 +201,11 @@ def _resolve(v: mm.Variant, options: dict[str, Any], base: nn.Module, family: st
     design = mm.DESIGNS[v.design]
     text = base.language_model
     num_layers = len(text.layers)
-    if v.layered:
-        depth = options.setdefault("depth", num_layers)
+    if v.layered:  # one axis per decoder layer: the option that sets the axis count is the model's depth
+        depth = options.setdefault(design.axes, num_layers)
         if depth != num_layers:
-            raise ValueError(f"pype: depth={depth} must equal the number of decoder layers ({num_layers})")
+            raise ValueError(f"{design.name}: {design.axes}={depth} must equal the number of decoder layers "
+                             f"({num_layers})")
     vision_tps = getattr(base.config.vision_config, "tokens_per_second", None)
     if "tokens_per_second" in design.defaults and vision_tps is not None:
         options.setdefault("tokens_per_second", vision_tps)  # the checkpoint's time resolution (Qwen2.5-VL)
