@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import colorsys
 import math
-from dataclasses import dataclass
 from typing import Callable, Sequence
 
 import numpy as np
@@ -37,7 +36,7 @@ from torch.utils.data import Dataset
 
 from ._util import check_choice, check_positive_int, sample_rng
 from .shapes_geometry import SHAPE_CLASSES, inside
-from .shapes_render import BACKGROUNDS, render
+from .shapes_render import BACKGROUNDS, ShapeSpec, render
 
 __all__ = [
     "SHAPE_CLASSES",
@@ -53,34 +52,6 @@ _SPLITS = {"train": 0, "test": 1, "val": 2}
 
 
 # ----------------------------------------------------------------------------- descriptions
-@dataclass(frozen=True)
-class ShapeSpec:
-    """A resolution-independent sample. Image units: the image is the unit square, ``(y, x)`` down/right.
-
-    Attributes:
-        shape: the shape class, a name in :data:`SHAPE_CLASSES`.
-        center: ``(y, x)`` of the shape centre.
-        size: diameter of the shape's circumscribed circle (fraction of the image side).
-        rotation: counter-clockwise rotation in radians.
-        color: RGB in [0, 1].
-        background: a key of :data:`BACKGROUNDS`, or None for a plain grey background.
-        crop: ``(top, left, side)``: side as a fraction of the photo's short side, top/left as fractions
-            of the remaining free range.
-        flip: mirror the background crop horizontally.
-        size_bin: which of the equal parts of the size range ``size`` falls in (0 = smallest).
-    """
-
-    shape: str
-    center: tuple[float, float]
-    size: float
-    rotation: float
-    color: tuple[float, float, float]
-    background: str | None
-    crop: tuple[float, float, float]
-    flip: bool
-    size_bin: int
-
-
 def sample_spec(
     rng: np.random.Generator,
     shape: str,

@@ -1,27 +1,26 @@
-"""Shapes-HR's renderer: a :class:`data.shapes.ShapeSpec` rasterised at any resolution, with real photo detail.
+"""Shapes-HR's renderer: a :class:`ShapeSpec` rasterised at any resolution, with real photo detail.
 
 The shape's coverage of each pixel is the mean of an exact inside test (:func:`data.shapes_geometry.inside`) on
 an ``s x s`` supersampled grid; the background is a square crop of one of scikit-image's bundled CC0 / public
 domain photos (:data:`BACKGROUNDS`, read from the installed package and area-downscaled once to a short side of
 at most 512), reconstructed bilinearly and integrated exactly over each output pixel (``_box_mean_of_linear``),
-so a render at 2R average-pooled 2x2 gives the render at R. :func:`render` blends the two.
+so a render at 2R average-pooled 2x2 gives the render at R. :func:`render` blends the two. The description it
+renders (:class:`ShapeSpec`) is defined here, the module that reads it, and :mod:`data.shapes` (which draws the
+descriptions) re-exports it, so the renderer imports nothing from :mod:`data.shapes`.
 """
 
 from __future__ import annotations
 
 import functools
 import math
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
 
 import numpy as np
 
 from ._util import MissingPackageError, check_choice, check_positive_int, python_package_dir
 from .shapes_geometry import inside
 
-if TYPE_CHECKING:
-    from .shapes import ShapeSpec
-
-__all__ = ["BACKGROUNDS", "render"]
+__all__ = ["BACKGROUNDS", "ShapeSpec", "render"]
 
 
 # skimage.data files (CC0 / public domain per their docstrings)
@@ -38,6 +37,34 @@ BACKGROUNDS: dict[str, str] = {
     "gravel": "gravel.png",
 }
 _MAX_BACKGROUND_SIDE = 512  # canonical photos are area-downscaled once so that their short side is <= 512
+
+
+@dataclass(frozen=True)
+class ShapeSpec:
+    """A resolution-independent sample. Image units: the image is the unit square, ``(y, x)`` down/right.
+
+    Attributes:
+        shape: the shape class, a name in :data:`data.shapes_geometry.SHAPE_CLASSES`.
+        center: ``(y, x)`` of the shape centre.
+        size: diameter of the shape's circumscribed circle (fraction of the image side).
+        rotation: counter-clockwise rotation in radians.
+        color: RGB in [0, 1].
+        background: a key of :data:`BACKGROUNDS`, or None for a plain grey background.
+        crop: ``(top, left, side)``: side as a fraction of the photo's short side, top/left as fractions
+            of the remaining free range.
+        flip: mirror the background crop horizontally.
+        size_bin: which of the equal parts of the size range ``size`` falls in (0 = smallest).
+    """
+
+    shape: str
+    center: tuple[float, float]
+    size: float
+    rotation: float
+    color: tuple[float, float, float]
+    background: str | None
+    crop: tuple[float, float, float]
+    flip: bool
+    size_bin: int
 
 
 @functools.lru_cache(maxsize=len(BACKGROUNDS))

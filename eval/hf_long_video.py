@@ -190,7 +190,7 @@ def evaluate_hf(
     from tqdm import tqdm
 
     from common import pick_device
-    from long_video import DEFAULT_DEPTHS, summarize
+    from long_video_report import DEFAULT_DEPTHS, summarize
     from stats import pack_bits
 
     from data.vniah import QUESTIONS

@@ -37,7 +37,15 @@ from typing import Any, Sequence
 import torch
 
 from common import pick_device
-from long_video_report import REPORT_SCORINGS, TASKS, heatmap, markdown, summarize, write_report  # noqa: F401
+from long_video_report import (  # noqa: F401
+    DEFAULT_DEPTHS,
+    REPORT_SCORINGS,
+    TASKS,
+    heatmap,
+    markdown,
+    summarize,
+    write_report,
+)
 from stats import pack_bits
 
 import hf_long_video  # noqa: E402
@@ -58,10 +66,9 @@ __all__ = [
     "main",
 ]
 
-# TASKS (v_niah, v_niah_d) and the report names of the scorings: long_video_report.py
+# TASKS (v_niah, v_niah_d), the report names of the scorings and DEFAULT_DEPTHS: long_video_report.py
 SCALINGS = ("linear", "ntk", "yarn")  # training-free time scaling beyond the training length (--scaling)
 SCORINGS = ("teacher", "generate")
-DEFAULT_DEPTHS = (0.0, 0.2, 0.4, 0.6, 0.8, 1.0)  # LongVA / HoPE: depth step 0.2
 
 
 @dataclass

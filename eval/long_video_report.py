@@ -5,7 +5,8 @@ mean, and the in-distribution (lengths up to the training length) and extrapolat
 :func:`markdown` tabulates evaluations (``eval/long_video.py --run`` and ``--hf-model`` alike) per task and
 scoring, :func:`heatmap` draws one panel per task and scoring, and :func:`write_report` writes
 ``long_video.json``, ``long_video.md`` and ``heatmap_<run>.png`` per run. The tasks (:data:`TASKS`) and the
-report names of the scorings live here too, in the order the report shows them.
+report names of the scorings live here too, in the order the report shows them, and the default needle depths
+(:data:`DEFAULT_DEPTHS`) that both evaluations (``eval/long_video.py`` and ``eval/hf_long_video.py``) share.
 """
 
 from __future__ import annotations
@@ -18,12 +19,13 @@ import torch
 
 from common import fmt, markdown_table, write_tables
 
-__all__ = ["TASKS", "REPORT_SCORINGS", "summarize", "markdown", "heatmap", "write_report"]
+__all__ = ["TASKS", "REPORT_SCORINGS", "DEFAULT_DEPTHS", "summarize", "markdown", "heatmap", "write_report"]
 
 
 TASKS = ("v_niah", "v_niah_d")
 # every scoring a report shows: "choice" is the multiple-choice log-likelihood of --hf-model (eval/hf_long_video.py)
 REPORT_SCORINGS = {"teacher": "teacher-forced", "generate": "greedy generation", "choice": "multiple choice"}
+DEFAULT_DEPTHS = (0.0, 0.2, 0.4, 0.6, 0.8, 1.0)  # LongVA / HoPE: depth step 0.2
 
 
 def _mean(xs: Sequence[float]) -> float | None:

@@ -8,7 +8,8 @@ its hooks run at the fixed points of :mod:`vlpe.encodings.base`.
 It has timm's model API (``forward_features`` -> tokens, ``forward_head(pre_logits=)``,
 ``forward_intermediates``, ``get_classifier`` / ``reset_classifier``, ``prune_intermediate_layers``,
 ``set_grad_checkpointing``, ``group_matcher``) and the Hub's (``save_pretrained`` / ``from_pretrained``,
-:mod:`models.hub`). Importing this module registers it in timm (:mod:`models.vit_timm`) as
+:mod:`models.hub`). Importing this module registers it in timm (:func:`register_timm`, through the glue of
+:mod:`models.vit_timm`, which imports nothing from this module: no import cycle) as
 ``vlpe_vit_{tiny,small,base,micro,pico}_patch{16_224,8_224,4_32,4_28}`` (encoding by keyword) and, for every
 registered encoding that runs on a 2D grid and fits the preset, ``<that name>_<encoding>`` (the encoding fixed
 by the name, which is how open_clip's ``timm_model_name`` picks one)::
@@ -32,6 +33,17 @@ from vlpe.tokenizers import ImageTokenizer
 
 from .blocks import Encoder, readout
 from .hub import HubMixin
+from .vit_timm import (  # noqa: F401  (TIMM_SIZES, default_cfgs and timm_name: re-exported)
+    TIMM_INSTALLED,
+    TIMM_PRESETS,
+    TIMM_SIZES,
+    _READOUT_TO_POOL,
+    _readout_of,
+    build_timm_model,
+    default_cfgs,
+    register_architectures,
+    timm_name,
+)
 
 __all__ = ["ViT", "PRESETS", "vit", "fits", "grid_encodings", "timm_name", "register_timm"]
 
@@ -44,20 +56,6 @@ PRESETS: dict[str, dict[str, int]] = {
     "pico": dict(embed_dim=96, depth=3, num_heads=6),  # heads in threes: LookHere's presets fit
     "nano": dict(embed_dim=64, depth=2, num_heads=4),
 }
-
-# pooling names: vlpe's readout and timm's global_pool for the same thing
-_POOL_TO_READOUT = {"cls": "cls", "gap": "gap", "none": "none", "token": "cls", "avg": "gap", "": "none"}
-_READOUT_TO_POOL = {"cls": "token", "gap": "avg", "none": ""}
-
-
-def _readout_of(pool: str, *, what: str) -> str:
-    if not isinstance(pool, str) or pool not in _POOL_TO_READOUT:
-        raise ValueError(
-            f"{what} must be one of 'cls'/'token' (the class token), 'gap'/'avg' (mean of the patch tokens) or "
-            f"'none'/'' (no pooling: every token to the head), got {pool!r}"
-        )
-    return _POOL_TO_READOUT[pool]
-
 
 class ViT(nn.Module, HubMixin):
     """Vision transformer with a pluggable vlpe position encoding.
@@ -351,5 +349,44 @@ def fits(preset: str, encoding: str) -> bool:
     return True
 
 
-# the timm registration (imported last: models.vit_timm uses the ViT above)
-from .vit_timm import TIMM_PRESETS, TIMM_SIZES, default_cfgs, grid_encodings, register_timm, timm_name  # noqa: E402,F401
+def grid_encodings() -> list[str]:
+    """Registered encodings that run on a 2D image grid: ``supported_axes`` allows 2 and the encoding builds
+    for at least one of the timm presets."""
+    out = []
+    for name in vlpe.encodings.available():
+        axes = vlpe.encodings.get(name).supported_axes
+        if (axes is None or 2 in axes) and any(fits(p, name) for p in TIMM_PRESETS):
+            out.append(name)
+    return out
+
+
+def _create(variant: str, *, preset: str, patch: int, size: int, fixed: str | None, pretrained: bool, **kwargs):
+    model = build_timm_model(
+        variant, lambda **kw: vit(preset, **kw), patch=patch, size=size, fixed=fixed, pretrained=pretrained, **kwargs
+    )
+    if isinstance(model, ViT):  # whether the class token exists is not implied by the pooling timm records
+        model._model_args = {"class_token": model.has_class_token}
+    return model
+
+
+def register_timm(encoding: str | None = None) -> list[str]:
+    """Register the ``vlpe_vit_*`` architectures in timm for ``encoding`` fixed by the name (a registered
+    encoding, e.g. one of your own: every preset it :func:`fits`, every size) or, with None, chosen by keyword
+    (every preset and size). Returns the names; names already registered are left as they are. Import-time
+    registration covers :func:`grid_encodings`."""
+    presets = TIMM_PRESETS
+    if encoding is not None:
+        vlpe.encodings.get(encoding)  # ValueError naming the registered ones
+        presets = tuple(p for p in TIMM_PRESETS if fits(p, encoding))
+        if not presets:
+            raise ValueError(
+                f"encoding {encoding!r} does not build on a 2D grid for any of the presets {TIMM_PRESETS}; grid "
+                f"encodings: {grid_encodings()}"
+            )
+    return register_architectures(encoding, presets, create=_create)
+
+
+if TIMM_INSTALLED:  # the architectures of every grid encoding, at import (timm is optional for the library)
+    for _enc in (None, *grid_encodings()):
+        register_timm(_enc)
+    del _enc

@@ -1,10 +1,16 @@
-"""timm glue of :class:`models.vit.ViT`: the ``vlpe_vit_*`` architectures, their entry points and pretrained cfgs.
+"""timm glue of the vlpe ViT: the ``vlpe_vit_*`` names, their entry points and pretrained cfgs, timm's keywords.
 
 ``timm.create_model`` keywords are mapped to the ViT's (``global_pool`` -> ``readout``, ``reg_tokens`` ->
-``num_registers``), training exports (keys under ``backbone.``) load as bare state dicts, and
-:func:`register_timm` registers every preset x size for an encoding fixed by the name (or chosen by keyword).
-Importing :mod:`models.vit` imports this module, which registers the architectures of :func:`grid_encodings`
-(the encodings that run on a 2D grid and fit a preset) when timm is installed; the entry points live here.
+``num_registers``; the pooling names of both live here), training exports (keys under ``backbone.``) load as bare
+state dicts, and :func:`register_architectures` registers every preset x size of an encoding fixed by the name (or
+chosen by keyword) as a timm entry point; the entry points and their ``default_cfgs`` live here.
+
+This module does not know the ViT: it imports nothing from :mod:`models.vit`, whose
+:func:`models.vit.register_timm` hands it the model constructor and the presets an encoding fits. :mod:`models.vit`
+imports this module at its top and, at the end of its own import, registers the architectures of
+:func:`models.vit.grid_encodings` (the encodings that run on a 2D grid and fit a preset) when timm is installed, so
+``import models.vit`` registers them and the two modules form no import cycle (``tests/test_import_graph.py``).
+Importing this module alone registers no architecture.
 
 It also tells timm's ``torch.fx`` machinery (``timm.models.register_notrace_module`` / ``register_notrace_function``,
 read by its FX feature extraction and by the FX checks of timm's ``tests/test_models.py``) which parts of a vlpe ViT
@@ -16,29 +22,29 @@ positions and plan); the blocks between them are traced. TorchScript is refused 
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 from torch import Tensor, nn
 
-import vlpe
-
-__all__ = ["TIMM_PRESETS", "TIMM_SIZES", "grid_encodings", "timm_name", "register_timm"]
+__all__ = ["TIMM_PRESETS", "TIMM_SIZES", "TIMM_INSTALLED", "build_timm_model", "timm_name", "register_architectures"]
 
 
 TIMM_PRESETS = ("tiny", "small", "base", "micro", "pico")
 TIMM_SIZES = ((16, 224), (8, 224), (4, 32), (4, 28))  # (patch, image size)
 default_cfgs: dict[str, Any] = {}  # timm reads the pretrained cfgs of this module's entry points from here
 
+# pooling names: vlpe's readout and timm's global_pool for the same thing
+_POOL_TO_READOUT = {"cls": "cls", "gap": "gap", "none": "none", "token": "cls", "avg": "gap", "": "none"}
+_READOUT_TO_POOL = {"cls": "token", "gap": "avg", "none": ""}
 
-def grid_encodings() -> list[str]:
-    """Registered encodings that run on a 2D image grid: ``supported_axes`` allows 2 and the encoding builds
-    for at least one of the timm presets."""
-    out = []
-    for name in vlpe.encodings.available():
-        axes = vlpe.encodings.get(name).supported_axes
-        if (axes is None or 2 in axes) and any(fits(p, name) for p in TIMM_PRESETS):
-            out.append(name)
-    return out
+
+def _readout_of(pool: str, *, what: str) -> str:
+    if not isinstance(pool, str) or pool not in _POOL_TO_READOUT:
+        raise ValueError(
+            f"{what} must be one of 'cls'/'token' (the class token), 'gap'/'avg' (mean of the patch tokens) or "
+            f"'none'/'' (no pooling: every token to the head), got {pool!r}"
+        )
+    return _POOL_TO_READOUT[pool]
 
 
 def _timm_kwargs(kwargs: dict[str, Any], *, arch: str) -> dict[str, Any]:
@@ -76,7 +82,13 @@ def _has_weights(variant: str, kwargs: dict[str, Any]) -> bool:
     return any(cfg.get(k) for k in ("file", "state_dict", "url", "hf_hub_id"))
 
 
-def _create(variant: str, *, preset: str, patch: int, size: int, fixed: str | None, pretrained: bool, **kwargs):
+def build_timm_model(
+    variant: str, build: Callable[..., nn.Module], *, patch: int, size: int, fixed: str | None, pretrained: bool,
+    **kwargs: Any,
+) -> nn.Module:
+    """The architecture ``variant`` built by timm's ``build_model_with_cfg`` from ``build(**keywords)`` (the
+    model's constructor; timm's keywords mapped to its own): ``pretrained`` needs weights named by the cfg, an
+    encoding fixed by the name cannot be swapped, ``features_only`` reads the last 3 blocks by default."""
     from timm.models import build_model_with_cfg
 
     if pretrained and not _has_weights(variant, kwargs):
@@ -95,15 +107,13 @@ def _create(variant: str, *, preset: str, patch: int, size: int, fixed: str | No
     kwargs.setdefault("patch_size", patch)
     out_indices = kwargs.pop("out_indices", 3)  # features_only: the last 3 blocks, as timm's ViTs
     model = build_model_with_cfg(
-        lambda **kw: vit(preset, **kw),
+        build,
         variant,
         pretrained,
         pretrained_filter_fn=_checkpoint_filter,
         feature_cfg=dict(feature_cls="getter", out_indices=out_indices),
         **kwargs,
     )
-    if isinstance(model, ViT):  # whether the class token exists is not implied by the pooling timm records
-        model._model_args = {"class_token": model.has_class_token}
     return model
 
 
@@ -112,41 +122,35 @@ def timm_name(preset: str, patch: int, size: int, encoding: str | None = None) -
     return f"vlpe_vit_{preset}_patch{patch}_{size}" + (f"_{encoding}" if encoding else "")
 
 
-def register_timm(encoding: str | None = None) -> list[str]:
-    """Register the ``vlpe_vit_*`` architectures in timm for ``encoding`` fixed by the name (a registered
-    encoding, e.g. one of your own: every preset it :func:`fits`, every size) or, with None, chosen by keyword
-    (every preset and size). Returns the names; names already registered are left as they are. Import-time
-    registration covers :func:`grid_encodings`."""
+def register_architectures(
+    encoding: str | None, presets: tuple[str, ...], *, create: Callable[..., nn.Module]
+) -> list[str]:
+    """Register the ``vlpe_vit_*`` architectures of ``presets`` x :data:`TIMM_SIZES` in timm for ``encoding`` fixed
+    by the name or, with None, chosen by keyword; each entry point calls ``create(name, preset=, patch=, size=,
+    fixed=, pretrained=, **kwargs)``. Returns the names; names already registered are left as they are."""
     import timm
     from timm.models import generate_default_cfgs, register_model
 
-    presets = TIMM_PRESETS
-    if encoding is not None:
-        vlpe.encodings.get(encoding)  # ValueError naming the registered ones
-        presets = tuple(p for p in TIMM_PRESETS if fits(p, encoding))
-        if not presets:
-            raise ValueError(
-                f"encoding {encoding!r} does not build on a 2D grid for any of the presets {TIMM_PRESETS}; grid "
-                f"encodings: {grid_encodings()}"
-            )
     names = [timm_name(p, patch, size, encoding) for p in presets for patch, size in TIMM_SIZES]
     made = {}
     for preset in presets:
         for patch, size in TIMM_SIZES:
             name = timm_name(preset, patch, size, encoding)
             if not timm.is_model(name):
-                made[name] = _entry(name, preset=preset, patch=patch, size=size, encoding=encoding)
+                made[name] = _entry(name, create=create, preset=preset, patch=patch, size=size, encoding=encoding)
     default_cfgs.update(generate_default_cfgs({name: cfg for name, (_, cfg) in made.items()}))
     for name, (entry, _) in made.items():
         globals()[name] = register_model(entry)
     return names
 
 
-def _entry(name: str, *, preset: str, patch: int, size: int, encoding: str | None):
+def _entry(
+    name: str, *, create: Callable[..., nn.Module], preset: str, patch: int, size: int, encoding: str | None
+):
     """timm entry point and pretrained cfg of one architecture."""
 
-    def entry(pretrained: bool = False, **kwargs: Any) -> ViT:
-        return _create(name, preset=preset, patch=patch, size=size, fixed=encoding, pretrained=pretrained, **kwargs)
+    def entry(pretrained: bool = False, **kwargs: Any) -> nn.Module:
+        return create(name, preset=preset, patch=patch, size=size, fixed=encoding, pretrained=pretrained, **kwargs)
 
     entry.__name__ = entry.__qualname__ = name
     which = f"the {encoding} encoding" if encoding else "encoding='<name>' (default rope)"
@@ -169,15 +173,12 @@ def _entry(name: str, *, preset: str, patch: int, size: int, encoding: str | Non
     return entry, cfg
 
 
-# models.vit imports this module at its end, after defining these
-from .vit import ViT, _readout_of, fits, vit  # noqa: E402
-
-
 try:
     import timm as _timm  # noqa: F401  (optional for the library)
 except ImportError:
-    pass
+    TIMM_INSTALLED = False
 else:
+    TIMM_INSTALLED = True
     from timm.models import register_notrace_function, register_notrace_module
 
     from vlpe.tokenizers import ImageTokenizer
@@ -188,6 +189,4 @@ else:
         register_notrace_module(_leaf)
     for _leaf in FX_LEAF_FUNCTIONS:
         register_notrace_function(_leaf)
-    for _enc in (None, *grid_encodings()):
-        register_timm(_enc)
-    del _enc, _leaf
+    del _leaf

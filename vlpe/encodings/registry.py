@@ -8,6 +8,7 @@ import numbers
 import types
 import typing
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Callable, TypeVar
 
 from .base import Encoding
@@ -186,7 +187,9 @@ _LOADED = False
 
 
 def _ensure_loaded() -> None:
-    """Import every module of ``vlpe.encodings`` once, so their ``@register`` calls run."""
+    """Import every module of ``vlpe.encodings`` once, so their ``@register`` calls run. The package is walked by
+    its folder and name (this module's own), not through the package object: ``vlpe.encodings`` imports this
+    module, which therefore imports nothing from it back."""
     global _LOADED
     if _LOADED:
         return
@@ -194,9 +197,7 @@ def _ensure_loaded() -> None:
     import importlib
     import pkgutil
 
-    from .. import encodings as pkg
-
-    for info in pkgutil.walk_packages(pkg.__path__, prefix=pkg.__name__ + "."):
+    for info in pkgutil.walk_packages([str(Path(__file__).parent)], prefix=__package__ + "."):
         leaf = info.name.rsplit(".", 1)[-1]
         if leaf.startswith("_") or ".functional" in info.name:
             continue
