@@ -17,8 +17,9 @@ sizes: a model without a fixed input size runs at its cfg's ``input_size`` clipp
   its own unscriptable models in ``EXCLUDE_JIT_FILTERS`` instead).
 
 Models: the pretrained cfg of every registered ``vlpe_vit_*`` name is checked; the tests that build models run one
-architecture per encoding (each at the cheapest preset registered for it, at the smallest image size) plus the
-keyword-encoding ViT at 224 px, which exercises timm's clipping of a non-fixed input size.
+architecture per encoding (each at the cheapest preset registered for it, at the smallest image size), the
+keyword-encoding ViT of every preset (tiny, small, base, micro, pico) at that size, and the keyword-encoding ViT at
+224 px, which exercises timm's clipping of a non-fixed input size.
 """
 
 from __future__ import annotations
@@ -62,7 +63,12 @@ def _cheapest_per_encoding(names: list[str]) -> list[str]:
     return sorted(pick.values())
 
 
-MODELS = _cheapest_per_encoding(ALL) + [mv.timm_name("pico", 16, 224)]
+#: one architecture per encoding, the keyword-encoding ViT of every preset at the smallest image size, and one at
+#: 224 px (timm clips a non-fixed input size to the test's target side)
+MODELS = sorted(
+    set(_cheapest_per_encoding(ALL))
+    | {n for n in ALL if _NAME.match(n)["encoding"] is None and _NAME.match(n)["size"] == "28"}
+) + [mv.timm_name("pico", 16, 224)]
 
 
 def _acts_between_blocks(name: str) -> bool:
