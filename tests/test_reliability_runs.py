@@ -313,3 +313,55 @@ def test_an_export_from_before_signatures_loads_with_a_warning_and_can_be_signed
     (run / "config.yaml").write_text(yaml.safe_dump(config, sort_keys=False))
     with pytest.raises(CheckpointError, match=r"model\.encoding\W.*'rope'.*'lookhere'"):
         load_run(run, script="vit")
+
+
+def test_a_lock_file_that_cannot_be_opened_or_written_is_a_config_error_naming_it(tmp_path, monkeypatch):
+    """A run.lock owned by another user, or a full disk while the note is written: a ConfigError naming the file,
+    not a raw OSError."""
+    import errno
+
+    from train import lock as lock_mod
+    from train.config import ConfigError
+
+    real_open, real_pwrite = os.open, os.pwrite
+
+    def refuse(path, *a, **k):
+        if str(path).endswith("run.lock"):
+            raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), str(path))
+        return real_open(path, *a, **k)
+
+    monkeypatch.setattr(lock_mod.os, "open", refuse)
+    with pytest.raises(ConfigError, match=r"cannot open the run lock .*run\.lock \(Permission denied\)"):
+        lock_mod.lock_out_dir(tmp_path / "a")
+    monkeypatch.setattr(lock_mod.os, "open", real_open)
+
+    def full(fd, data, offset):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(lock_mod.os, "pwrite", full)
+    with pytest.raises(ConfigError, match=r"cannot write the run note into .*run\.lock \(No space left on device\)"):
+        lock_mod.lock_out_dir(tmp_path / "b")
+    monkeypatch.setattr(lock_mod.os, "pwrite", real_pwrite)
+    lock_mod.lock_out_dir(tmp_path / "b").release()  # the failed attempt left no lock behind
+
+
+def test_rank_0_shares_any_failure_to_lock_so_no_rank_waits_for_it(tmp_path, monkeypatch):
+    """hold_out_dir broadcasts rank 0's outcome whatever went wrong: an error that skipped the broadcast would leave
+    the other ranks waiting in it until the process group's timeout."""
+    import torch.distributed as dist
+
+    from train import lock as lock_mod
+    from train.config import ConfigError
+
+    sent = []
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(dist, "get_world_size", lambda: 2)
+    monkeypatch.setattr(dist, "broadcast_object_list", lambda objs, src: sent.append(list(objs)))
+
+    def broken(out_dir, **kw):
+        raise OSError(5, "Input/output error")
+
+    monkeypatch.setattr(lock_mod, "lock_out_dir", broken)
+    with pytest.raises(ConfigError, match="cannot lock train.out_dir.*Input/output error"):
+        lock_mod.hold_out_dir(tmp_path / "run", rank=0)
+    assert len(sent) == 1 and sent[0][0][0] == "ConfigError"

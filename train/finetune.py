@@ -374,7 +374,10 @@ def main(cfg, raw: dict) -> None:
         export=lambda engine, out_dir: export(engine, out_dir, processor=processor, zero_stage=t.zero_stage),
     )
     del keep
-    if rank == 0:
+    if rank == 0 and t.num_workers == 0:  # DataLoader workers keep their own counts: these stay empty then
         skipped = {"dropped (longer than data.max_length)": len(train_set.dropped),
                    "skipped (unreadable media)": len(train_set.skipped)}  # fmt: skip
         print(f"[train] training samples {json.dumps(skipped)}", flush=True)
+    elif rank == 0:
+        print("[train] samples dropped (longer than data.max_length) or skipped (unreadable media) are counted in "
+              "the train records of metrics.jsonl ('skipped', this rank's samples)", flush=True)  # fmt: skip

@@ -113,12 +113,18 @@ def lock_out_dir(out_dir: str | Path, *, command: list[str] | None = None) -> Ru
     first: a process runs one ``fit`` at a time.
     """
     out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
     path = out_dir / LOCK_FILE
-    key = str(out_dir.resolve())
-    if key in _HELD:
-        _HELD[key].release()
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)  # close-on-exec: not inherited by launched programs
+    try:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        key = str(out_dir.resolve())
+        if key in _HELD:
+            _HELD[key].release()
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)  # close-on-exec: not inherited by launched programs
+    except OSError as e:
+        raise ConfigError(
+            f"cannot open the run lock {path} ({e.strerror or e}): train.out_dir must be a folder this user can "
+            f"create and write (a lock file left by another user is not); choose another train.out_dir"
+        ) from None
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
@@ -142,9 +148,16 @@ def lock_out_dir(out_dir: str | Path, *, command: list[str] | None = None) -> Ru
         "command": " ".join(sys.argv if command is None else command),
         "out_dir": str(out_dir.resolve()),
     }
-    os.ftruncate(fd, 0)
-    os.pwrite(fd, (json.dumps(holder) + "\n").encode(), 0)
-    os.fsync(fd)
+    try:
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, (json.dumps(holder) + "\n").encode(), 0)
+        os.fsync(fd)
+    except OSError as e:
+        os.close(fd)  # releases the lock: this run does not start
+        raise ConfigError(
+            f"cannot write the run note into {path} ({e.strerror or e}): free space on the disk of train.out_dir "
+            f"or choose another train.out_dir"
+        ) from None
     lock = RunLock(path, fd, holder)
     _HELD[key] = lock
     return lock
@@ -162,6 +175,8 @@ def hold_out_dir(out_dir: str | Path, *, rank: int) -> RunLock | None:
             lock = lock_out_dir(out_dir)
         except ConfigError as e:
             problem = (type(e).__name__, str(e))
+        except OSError as e:  # anything else: still shared, or the other ranks would wait for rank 0 until timeout
+            problem = (ConfigError.__name__, f"cannot lock train.out_dir={str(out_dir)!r}: {e}")
     if dist.is_initialized() and dist.get_world_size() > 1:
         shared = [problem]
         dist.broadcast_object_list(shared, src=0)
