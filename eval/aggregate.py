@@ -234,6 +234,10 @@ def evaluate_claims(records: dict[str, Sequence[dict]], claims: Sequence[Claim] 
             continue
         conds, rows, sel = cache[cl.family]
         seeds = sorted(set(rows[cl.better]) & set(rows[cl.other]))
+        if not seeds:
+            per_seed.append(None)
+            reasons.append(f"no seed common to {cl.better} and {cl.other}")
+            continue
         c = _claim_values(cl, conds, rows, sel, seeds, reps=2)  # per-seed values only; the bootstrap is below
         per_seed.append(dict(zip(seeds, (100 * v for v in c["per_seed"]))))
         reasons.append(None)

@@ -29,7 +29,7 @@ import hashlib
 import json
 from dataclasses import asdict, dataclass
 
-__all__ = ["Claim", "Design", "CLAIMS", "DESIGN", "MARGINS", "CAPS", "fingerprint"]
+__all__ = ["Claim", "Design", "CLAIMS", "DESIGN", "LEGACY_ADOPTED_BY", "MARGINS", "CAPS", "fingerprint"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -90,6 +90,12 @@ class Design:
 
 
 DESIGN = Design()
+
+#: The one claims protocol under which records without a claims fingerprint count as its first look (the 5-seed
+#: records written before this design). Under any other protocol they are refused like records of another one: a
+#: changed margin, cap or rule must not decide those seeds a second time. Changing the protocol means deciding
+#: anew whether they are adopted (tests/test_claims_sequential.py checks this constant against fingerprint()).
+LEGACY_ADOPTED_BY = "0f45e5264499"
 
 #: Equivalence margins in points, one principle per metric. Top-1 over 10 classes (ViT, point clouds): 5 points,
 #: half the smallest gap a listed paper states for a resolution claim (PaPE's +10.5 over LookHere): a difference

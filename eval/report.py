@@ -101,7 +101,9 @@ def design_text(claims: Sequence[dict]) -> str:
     return (f"Each claim is a paired difference of two rows (same seeds, same test items), pre-registered in "
             f"`eval/claims.py` with the paper's direction and an equivalence margin (±{MARGINS['top1']:g} points of "
             f"top-1, ±{MARGINS['v_niah']:g} of V-NIAH exact match: the principle is stated there). Seeds come in "
-            f"looks of {', '.join(map(str, d.looks))} per row, each claim up to its cap. At a look a claim is "
+            f"looks of {', '.join(map(str, d.looks))} per row, each claim up to its cap; a look is taken once "
+            f"every claim it tests has its seeds (a row not yet measured holds it back), for all of them at once. "
+            f"At a look a claim is "
             f"`agrees` / `disagrees` when Holm's step-down across the {len(claims)} claims (family-wise α "
             f"{d.alpha:g} for the sign decisions) rejects no difference at the look's Haybittle-Peto level ("
             f"{d.interim:g} of the claim's level at an interim look, the remaining {final:.2f} at its cap), "
@@ -109,7 +111,7 @@ def design_text(claims: Sequence[dict]) -> str:
             f"reached undecided, `open` below the cap (more seeds: `python eval/report.py --next-look` lists them). "
             f"The 95 % interval is the plain Student-t one over the look's seeds; the interval at the look's level "
             f"is the one the rule reads. Decisions use the records of claims protocol `{fp}` (records written before "
-            f"it count for the first look only). These are small CPU-sized models, not the papers' settings; the "
+            f"it count for the first look of this protocol only). These are small CPU-sized models, not the papers' settings; the "
             f"protocols were fixed before the comparison and are not tuned toward any sign. Per-seed differences: "
             f"`results/claims.json` (`per_seed`).")  # fmt: skip
 

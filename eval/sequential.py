@@ -1,8 +1,12 @@
 """Sequential decisions on the pre-registered claims (:mod:`claims`): the rule, the record selection, the planner.
 
 :func:`run_design` applies :class:`claims.Design` to per-seed paired differences, vectorised over replicates (the
-report calls it with one, the simulation in ``tests/test_claims_sequential.py`` with thousands). At the look of
-``n`` seeds, for every claim still open that has its first ``n`` seeds and ``n <= cap``:
+report calls it with one, the simulation in ``tests/test_claims_sequential.py`` with thousands). Looks are
+synchronous: the look of ``n`` seeds is taken only once every claim still open with ``n <= cap`` has its first ``n``
+seeds (a claim not yet measured holds the look back too), and then for all of them at once. A look taken on some
+claims while others waited would let the later arrivals change Holm's levels of a look already reported, turning a
+published ``equivalent`` or ``open`` into ``agrees`` after the fact. At the look of ``n`` seeds, for every claim still
+open with ``n <= cap``:
 
 * the mean ``d`` and the standard error ``s / sqrt(n)`` of the per-seed differences give the two-sided Student-t
   p-value of ``d = 0`` (``p_sign``) and the TOST p-value of ``|d| >= margin`` (``max`` of the two one-sided ones);
@@ -30,7 +34,7 @@ from typing import Any, Mapping, Sequence
 
 import numpy as np
 
-from claims import CLAIMS, DESIGN, Claim, Design, fingerprint
+from claims import CLAIMS, DESIGN, LEGACY_ADOPTED_BY, Claim, Design, fingerprint
 
 __all__ = ["VERDICTS", "run_design", "decide", "select_records", "next_look_runs"]
 
@@ -67,8 +71,11 @@ def run_design(diffs: np.ndarray, available: np.ndarray, margins: Sequence[float
     level = np.full((R, m), np.nan)
     signed = np.zeros((R, m), bool)  # sign decisions: the claims whose level Holm passes on
     rank = np.arange(m)[None, :]
+    waiting = np.zeros(R, bool)  # a look not taken: neither is any later one
     for li, n in enumerate(design.looks):
-        active = (verdict == OPEN) & (avail >= n) & (cap >= n)[None, :] & (n <= N)
+        due = (verdict == OPEN) & (cap >= n)[None, :]  # (R, m): the claims this look tests
+        waiting |= (due & ((avail < n) | (n > N))).any(axis=1)
+        active = due & ~waiting[:, None]
         if not active.any():
             continue
         xs = np.where(active[..., None], x[:, :, :n], 0.0)
@@ -158,9 +165,11 @@ def select_records(records: Mapping[str, Sequence[dict]], *, design: Design = DE
                    current: str | None = None) -> tuple[dict[str, list[dict]], list[str]]:  # fmt: skip
     """The records the decisions may use, and a message per record left out. A record of the current claims
     fingerprint is used; one without the field (written before the design) is used for the seeds of the first look
-    when ``design.legacy == "first-look"``; one of another fingerprint is refused: its looks were spent under other
+    when ``design.legacy == "first-look"`` and the current protocol is the one that adopted them
+    (:data:`claims.LEGACY_ADOPTED_BY`); one of another fingerprint is refused: its looks were spent under other
     claims, margins or caps, and mixing them would change the error rates the rule guarantees."""
     current = fingerprint() if current is None else current
+    adopt = design.legacy == "first-look" and current == LEGACY_ADOPTED_BY
     used: dict[str, list[dict]] = {}
     refused: list[str] = []
     for fam, recs in records.items():
@@ -170,11 +179,14 @@ def select_records(records: Mapping[str, Sequence[dict]], *, design: Design = DE
             name = f"{fam}/{r.get('encoding')}_seed{r.get('seed')}"
             if fp == current:
                 keep.append(r)
-            elif fp is None and design.legacy == "first-look" and int(r["seed"]) < design.looks[0]:
+            elif fp is None and adopt and int(r["seed"]) < design.looks[0]:
                 keep.append(r)
-            elif fp is None:
+            elif fp is None and adopt:
                 refused.append(f"{name}: written without a claims fingerprint; only seeds below "
-                               f"{design.looks[0] if design.legacy == 'first-look' else 0} of such records count")
+                               f"{design.looks[0]} of such records count")  # fmt: skip
+            elif fp is None:
+                refused.append(f"{name}: written without a claims fingerprint; such records count only under claims "
+                               f"protocol {LEGACY_ADOPTED_BY} (with legacy='first-look'), not {current}")  # fmt: skip
             else:
                 refused.append(f"{name}: claims protocol {fp} is not the current {current}; left out of the "
                                f"decisions (records of different protocols do not mix)")  # fmt: skip

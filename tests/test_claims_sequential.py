@@ -12,7 +12,10 @@ What is checked, and against what:
   probability at least 0.95;
 - the fingerprint follows margins, caps, looks and rows but not a claim's wording; records of another claims
   protocol are refused with a message; records without one count for the first look only;
-- the planner asks only for the rows of open (or not yet measured) claims, up to their next look.
+- the planner asks only for the rows of open (or not yet measured) claims, up to their next look;
+- looks are synchronous: a verdict a report shows never changes when another claim's seeds arrive later, and a
+  claim not yet measured holds its look back; records without a fingerprint count only under the protocol that
+  adopted them.
 """
 
 from __future__ import annotations
@@ -79,10 +82,10 @@ def test_hand_computed_decisions_with_holm_passing_the_level_on():
     noisy = [9.0, -12.0, 15.0, -18.0, 3.0, 6.0, -9.0, 12.0, -3.0, 1.5]
     res = S.decide([dict(enumerate(noisy)), dict(enumerate(b)), dict(enumerate(c))], reg, design=design)
     assert [r["verdict"] for r in res] == ["unresolved", "equivalent", "unresolved"]
-    # four seeds of c: no look yet, open, asking for the first look
+    # four seeds of c and none of a: the first look waits for both, so b is not decided either
     res = S.decide([None, dict(enumerate(b)), dict(enumerate(c[:4]))], reg, design=design)
-    assert [r["verdict"] for r in res] == ["not measured", "equivalent", "open"]
-    assert res[2]["look"] is None and res[2]["next_look"] == 5
+    assert [r["verdict"] for r in res] == ["not measured", "open", "open"]
+    assert res[1]["look"] is None and res[2]["look"] is None and res[2]["next_look"] == 5
 
 
 def _simulate(delta_in_margins: float, *, sd: float | None = None, seed: int = 0) -> np.ndarray:
@@ -169,3 +172,35 @@ def test_design_rejects_inconsistent_settings():
         C.Design(interim=0.5)
     assert C.DESIGN.fraction(5, 40) == 0.02 and C.DESIGN.fraction(40, 40) == pytest.approx(1 - 3 * 0.02)
     assert sum(C.DESIGN.fraction(n, 20) for n in (5, 10, 20)) == pytest.approx(1.0)
+
+
+def test_looks_are_synchronous_so_a_reported_verdict_never_changes_when_other_seeds_arrive():
+    """A look waits for every open claim it tests: a claim's verdict at look k does not depend on whether another
+    claim's seeds of look k came before or after the report (Holm's levels would otherwise move under it)."""
+    design = C.Design(looks=(5, 10, 20, 40), alpha=0.05, interim=0.02)
+    rng = np.random.default_rng(7)
+    m, reps = 4, 300
+    x = rng.normal(loc=rng.choice([0.0, 2.0, 12.0], size=(reps, m, 1)), scale=rng.uniform(0.3, 6, (reps, m, 1)),
+                   size=(reps, m, 40))  # fmt: skip
+    margins, caps = [5.0] * m, [40] * m
+    full = S.run_design(x, np.full((reps, m), 40), margins, caps, design=design)
+    for avail in (np.array([5, 0, 5, 5]), np.array([10, 5, 10, 20]), np.array([40, 40, 10, 40])):
+        part = S.run_design(x, avail, margins, caps, design=design)
+        shown = part["verdict"] != S.OPEN  # what a report with these seeds publishes as decided
+        assert np.array_equal(part["verdict"][shown], full["verdict"][shown])
+        assert np.array_equal(part["look"][shown], full["look"][shown])
+    # the look of 5 seeds waits for the second claim: nothing is decided, however clear the first claim is
+    clear = np.zeros((1, 2, 40))
+    clear[0, 0, :5] = [10.0, 10.5, 9.5, 10.2, 9.8]
+    out = S.run_design(clear, np.array([5, 0]), [5.0, 5.0], [40, 40], design=design)
+    assert out["verdict"].tolist() == [[S.OPEN, S.OPEN]] and out["look"].tolist() == [[-1, -1]]
+
+
+def test_legacy_records_count_only_under_the_protocol_that_adopted_them():
+    assert C.LEGACY_ADOPTED_BY == C.fingerprint(), "the protocol changed: decide whether legacy records are adopted"
+    recs = {"vlm": [{"encoding": "mrope", "seed": s} for s in range(5)]}
+    used, refused = S.select_records(recs)
+    assert len(used["vlm"]) == 5 and not refused
+    used, refused = S.select_records(recs, current="fedcba987654")  # e.g. a margin changed since
+    assert used["vlm"] == [] and len(refused) == 5
+    assert all(C.LEGACY_ADOPTED_BY in msg and "fedcba987654" in msg for msg in refused)

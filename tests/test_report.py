@@ -78,7 +78,13 @@ def write_record(results: Path, family: str, encoding: str, seed: int, rows: dic
     path.write_text(json.dumps(rec))
 
 
-def make_results(root: Path, *, lookhere_wins: bool = True) -> Path:
+#: the rows the other claims compare, filled with their reference row's accuracies (a difference of exactly 0)
+VIT_FILLERS = ("pape", "peg", "ape", "fire", "rope_mixed")
+VLM_FILLERS = ("hope_video", "mrope_i", "vrope", "v2pe", "mhrope")
+
+
+def make_results(root: Path, *, lookhere_wins: bool = True, without: tuple[str, ...] = ()) -> Path:
+    """Five seeds (the first look) of every row a claim reads; ``without``: filler rows left unmeasured."""
     results = root / "results"
     good, bad = [0.9, 0.7, 0.6], [0.9, 0.5, 0.2]
     lh, rope = (good, bad) if lookhere_wins else (bad, good)
@@ -86,11 +92,16 @@ def make_results(root: Path, *, lookhere_wins: bool = True) -> Path:
         d = 0.025 * s
         write_record(results, "vit", "lookhere", s, {"lookhere": vit_ev([a - d for a in lh], s, 0)})
         write_record(results, "vit", "rope", s, {"rope": vit_ev([a - d for a in rope], s, 100),
-                                                 "rope+yarn": vit_ev([0.9, 0.6, 0.3], s, 200)})  # fmt: skip
+                                                 "rope+yarn": vit_ev([0.9, 0.6, 0.3], s, 200),
+                                                 "rope+ntk": vit_ev([a - d for a in rope], s, 300)})  # fmt: skip
         write_record(results, "vlm", "videorope", s, {"videorope": vlm_ev([1.0, 1.0, 0.8, 0.6], s, 0)})
         write_record(results, "vlm", "mrope", s, {"mrope": vlm_ev([1.0, 1.0, 0.6, 0.3], s, 100)})
         write_record(results, "points", "pape_ri", s, {"pape_ri": pts_ev(0.8, 0.75, 0.7, s, 0)})
         write_record(results, "points", "pape", s, {"pape": pts_ev(0.85, 0.35, 0.7, s, 100)})
+        for k, enc in enumerate(e for e in VIT_FILLERS if e not in without):
+            write_record(results, "vit", enc, s, {enc: vit_ev([a - d for a in rope], s, 400 + 10 * k)})
+        for k, enc in enumerate(e for e in VLM_FILLERS if e not in without):
+            write_record(results, "vlm", enc, s, {enc: vlm_ev([1.0, 1.0, 0.6, 0.3], s, 400 + 10 * k)})
     return results
 
 
@@ -146,9 +157,17 @@ def test_claims_follow_the_measurements(tmp_path):
     ri = _claim(claims, "PaPE-RI robust")
     assert ri["diff"] == pytest.approx(100 * ((0.75 - 0.8) - (0.35 - 0.85)))
     assert ri["verdict"] == "agrees"
-    assert _claim(claims, "PaPE > LookHere")["verdict"] == "not measured"
-    assert _claim(claims, "HoPE")["verdict"] == "not measured"
+    fire = _claim(claims, "FIRE > 2D RoPE")  # the same accuracies as RoPE on every seed: a difference of 0
+    assert fire["diff"] == 0 and fire["verdict"] == "equivalent" and fire["look"] == 1
     assert (results / "claims.png").stat().st_size > 1000
+
+    # a row not yet measured holds the look back for every claim: nothing is decided, HoPE's claim says why
+    waiting = make_results(tmp_path / "w", without=("hope_video",))
+    report.report(waiting, readme=None, reps=200)
+    claims = json.loads((waiting / "claims.json").read_text())
+    assert _claim(claims, "HoPE")["verdict"] == "not measured"
+    assert {c["verdict"] for c in claims} == {"open", "not measured"}
+    assert _claim(claims, "LookHere > 2D RoPE")["look"] is None
 
     flipped = make_results(tmp_path / "b", lookhere_wins=False)
     report.report(flipped, readme=None, reps=200)
@@ -301,3 +320,17 @@ def test_every_committed_record_matches_todays_protocol():
         if rec["fingerprint"] != train_fingerprint(PROTOCOLS[rec["family"]], rec["encoding"]):
             stale.append(path.name)
     assert not stale, f"records whose configs changed since they ran: {stale}"
+
+
+def test_a_claim_whose_rows_share_no_seed_says_so(tmp_path):
+    results = make_results(tmp_path)
+    for s in range(5):  # PaPE-RI's runs moved to seeds 5-9: both rows exist, no seed in common
+        path = suite.record_path(results, "points", "pape_ri", s)
+        rec = json.loads(path.read_text())
+        path.unlink()
+        write_record(results, "points", "pape_ri", s + 5, rec["rows"])
+        moved = suite.record_path(results, "points", "pape_ri", s + 5)  # seeds past the first look: current protocol
+        moved.write_text(json.dumps({**json.loads(moved.read_text()), "claims_fingerprint": fingerprint()}))
+    report.report(results, readme=None, reps=200)
+    ri = _claim(json.loads((results / "claims.json").read_text()), "PaPE-RI robust")
+    assert ri["verdict"] == "not measured" and ri["reason"] == "no seed common to pape_ri and pape"
