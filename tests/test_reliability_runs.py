@@ -365,3 +365,4 @@ def test_rank_0_shares_any_failure_to_lock_so_no_rank_waits_for_it(tmp_path, mon
     with pytest.raises(ConfigError, match="cannot lock train.out_dir.*Input/output error"):
         lock_mod.hold_out_dir(tmp_path / "run", rank=0)
     assert len(sent) == 1 and sent[0][0][0] == "ConfigError"
+

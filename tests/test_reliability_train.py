@@ -237,3 +237,19 @@ def test_model_signature_differences_name_both_values():
     diffs = signature_differences(a, b)
     assert diffs == ["model.encoding: 'rope' (recorded) vs 'lookhere' (now)"]
     assert json.loads(json.dumps(a)) == a
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("content,what", [("[1, 2]", "must hold a JSON mapping"), ("{cut", "cannot read")])
+def test_resume_from_a_checkpoint_whose_signature_is_damaged_names_it(finished, tmp_path, content, what):
+    """The resume reads a checkpoint's model.json with the exports' check (train.checkpoint.read_signature)."""
+    from train.checkpoint import CheckpointError
+    from train.engine import _resume_checkpoint
+
+    out = _copy(finished, tmp_path)
+    ckpt = out / "checkpoints" / "step_00000004"
+    (ckpt / "model.json").write_text(content)
+    with pytest.raises(CheckpointError, match=what) as e:
+        _resume_checkpoint(TrainSection(steps=6, resume=str(ckpt)), out / "checkpoints", world=1, rank=0,
+                           signature={})  # fmt: skip
+    assert str(ckpt / "model.json") in str(e.value)

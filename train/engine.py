@@ -55,6 +55,7 @@ from .checkpoint import (
     complete_tags,
     load_rng,
     model_signature,
+    read_signature,
     save_rng,
     step_of,
     tag_for,
@@ -334,18 +335,7 @@ def _resume_checkpoint(train: TrainSection, ckpt_dir: Path, *, world: int, rank:
         recorded = path / SIGNATURE
         if recorded.is_file():
             fix = "resume with the recorded model settings, or start a new run (another train.out_dir)"
-            try:
-                saved = json.loads(recorded.read_text())
-            except (ValueError, OSError) as e:
-                raise CheckpointError(
-                    f"cannot read the model signature {recorded}: {e}; restore it or resume from another checkpoint"
-                ) from None
-            if not isinstance(saved, dict):
-                raise CheckpointError(
-                    f"{recorded} must hold a JSON mapping (the run's model signature), got {type(saved).__name__}; "
-                    f"restore it or resume from another checkpoint"
-                )
-            check_signature(saved, signature, where=f"checkpoint {path}", fix=fix)
+            check_signature(read_signature(recorded), signature, where=f"checkpoint {path}", fix=fix)
         elif rank == 0:
             warnings.warn(f"{path} records no model signature ({SIGNATURE}); the model is not checked", stacklevel=2)
         step = step_of(path.name)
