@@ -65,7 +65,7 @@ def collator(model, processor, **kw):
     from vlpe.integrations import transformers as vlpe_hf
 
     patch = vlpe_hf.patch_of(model)
-    kw.setdefault("filler", filler_item(processor, patch.family))
+    kw.setdefault("filler", filler_item(processor))
     return InstructCollator(variant=patch.variant, family=patch.family, spatial_merge_size=patch.spatial_merge_size,
                             pad_token_id=processor.tokenizer.pad_token_id, **kw)  # fmt: skip
 

@@ -241,7 +241,7 @@ class CausalLM(nn.Module):
         return set()
 
 
-def filler_item(processor, family: str) -> dict:
+def filler_item(processor) -> dict:
     """A processed sample with one black image and one two-frame black video at the processor's smallest size
     and no supervised token (see :mod:`data.hf_batch`)."""
     import numpy as np
@@ -330,7 +330,7 @@ def main(cfg, raw: dict) -> None:
         val_set = InstructDataset(annotations=d.val_annotations, **common) if d.val_annotations else None
     except ValueError as e:
         raise ConfigError(f"data: {e}") from e
-    filler = filler_item(processor, family)
+    filler = filler_item(processor)
     pad = processor.tokenizer.pad_token_id
     collate = InstructCollator(variant=patch.variant, family=family, spatial_merge_size=patch.spatial_merge_size,
                                pad_token_id=pad, packing=d.packing, max_length=d.max_length, filler=filler)  # fmt: skip
