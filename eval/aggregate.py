@@ -2,13 +2,15 @@
 
 Every cell is :func:`stats.cell` of the per-seed outcome matrices of one row (conditions x test items): the mean
 over seeds, the sample std over seeds, ``n`` seeds, ``items`` test items per seed, a Student-t 95 % interval over
-the per-seed values and a hierarchical-bootstrap interval beside it. Accuracies are fractions. Per family:
+the per-seed values and a hierarchical-bootstrap interval beside it. Accuracies are fractions. Per kind of family
+(its protocol's evaluator; ``shapes`` reads like ``vit``):
 
 * ``vit``: conditions = the test/train size ratios; ``in_distribution`` = 1x, ``extrapolated`` = the mean over the
   larger sizes, one cell per ratio (``x1.43`` ...);
 * ``vlm``: conditions = the video lengths of V-NIAH (and of V-NIAH-D); ``in_distribution`` = V-NIAH over the
-  lengths up to the training length, ``extrapolated`` = V-NIAH over the longer ones, the same two for V-NIAH-D
-  (``v_niah_d_in_distribution`` / ``v_niah_d_extrapolated``) and one cell per task and length (``v_niah@16``);
+  lengths up to the training length, ``extrapolated`` = V-NIAH over the longer ones, ``near`` = over the lengths
+  of :data:`protocols.VLM_CLAIM_RANGE` (2-8x the training length, what the claims read), the same three for
+  V-NIAH-D (``v_niah_d_...``) and one cell per task and length (``v_niah@16``);
 * ``points``: conditions = z rotation at the training point count (``in_distribution``), SO(3) rotation, 2x / 4x
   points; ``extrapolated`` = the mean over the shifted conditions, one cell per condition and ``so3_minus_z``.
 
@@ -25,6 +27,7 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 from claims import CLAIMS, DESIGN, Claim, Design, fingerprint
+from protocols import PROTOCOLS, VLM_CLAIM_RANGE
 from sequential import decide, select_records
 from stats import Cell, cell, paired, unpack_bits
 
@@ -69,11 +72,18 @@ def _points_conditions(ev: dict) -> list[tuple[Condition, dict]]:
     return out
 
 
+#: per evaluator (what a family's results look like, :attr:`protocols.Protocol.evaluator`)
 CONDITIONS: dict[str, Callable[[dict], list[tuple[Condition, dict]]]] = {
-    "vit": _vit_conditions,
-    "vlm": _vlm_conditions,
+    "resolution": _vit_conditions,
+    "long_video": _vlm_conditions,
     "points": _points_conditions,
 }
+
+
+def kind(family: str) -> str:
+    """The evaluator of ``family``'s protocol: how its records are read (``resolution``, ``long_video``,
+    ``points``)."""
+    return PROTOCOLS[family].evaluator
 
 
 def family_matrices(family: str, records: Sequence[dict]) -> tuple[list[Condition], dict[str, dict[int, np.ndarray]]]:
@@ -82,7 +92,7 @@ def family_matrices(family: str, records: Sequence[dict]) -> tuple[list[Conditio
     rows: dict[str, dict[int, np.ndarray]] = {}
     for rec in records:
         for name, ev in rec["rows"].items():
-            parts = CONDITIONS[family](ev)
+            parts = CONDITIONS[kind(family)](ev)
             these = [c for c, _ in parts]
             if conds is None:
                 conds = these
@@ -107,12 +117,13 @@ def _weights(conds: Sequence[Condition], pick: Callable[[Condition], bool]) -> n
 def family_selectors(family: str, conds: Sequence[Condition], meta: dict) -> dict[str, np.ndarray]:
     """Named condition weights of a family: ``in_distribution``, ``extrapolated`` and the family's extras."""
     keys = [c.key for c in conds]
-    if family == "vit":
+    if kind(family) == "resolution":
         base = min(keys, key=lambda k: abs(float(k[1:]) - 1.0))
         return {"in_distribution": _weights(conds, lambda c: c.key == base),
                 "extrapolated": _weights(conds, lambda c: float(c.key[1:]) > 1.0 + 1e-9)}  # fmt: skip
-    if family == "vlm":
+    if kind(family) == "long_video":
         T = int(meta["train_frames"])
+        lo, hi = VLM_CLAIM_RANGE
         out = {}
         for task, prefix in (("v_niah", ""), ("v_niah_d", "v_niah_d_")):
             if not any(k.startswith(task + "@") for k in keys):
@@ -121,6 +132,9 @@ def family_selectors(family: str, conds: Sequence[Condition], meta: dict) -> dic
                 return c.key.split("@")[0] == task
             out[prefix + "in_distribution"] = _weights(conds, lambda c, m=mine: m(c) and int(c.key.split("@")[1]) <= T)
             out[prefix + "extrapolated"] = _weights(conds, lambda c, m=mine: m(c) and int(c.key.split("@")[1]) > T)
+            out[prefix + "near"] = _weights(
+                conds, lambda c, m=mine: m(c) and lo * T <= int(c.key.split("@")[1]) <= hi * T
+            )
         return out
     base = meta["train_rotation"]
     out = {"in_distribution": _weights(conds, lambda c: c.key == base),
@@ -133,11 +147,11 @@ def family_selectors(family: str, conds: Sequence[Condition], meta: dict) -> dic
 
 def _meta(family: str, records: Sequence[dict]) -> dict[str, Any]:
     ev = next(iter(records[0]["rows"].values()))
-    if family == "vit":
+    if kind(family) == "resolution":
         return {"train_size": ev["train_size"], "patch_size": ev["patch_size"], "num_classes": ev["num_classes"],
                 "chance": 1.0 / ev["num_classes"], "ratios": [r["ratio"] for r in ev["results"]],
                 "sizes": [r["size"] for r in ev["results"]]}  # fmt: skip
-    if family == "vlm":
+    if kind(family) == "long_video":
         return {"train_frames": ev["train_frames"], "lengths": ev["lengths"], "depths": ev["depths"],
                 "samples_per_cell": ev["samples_per_cell"], "chance": ev["chance"]}  # fmt: skip
     return {"train_rotation": ev["train_rotation"], "train_points": ev["train_points"],

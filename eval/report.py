@@ -27,13 +27,13 @@ import time
 from pathlib import Path
 from typing import Any, Sequence
 
-from aggregate import evaluate_claims, summarize_family
+from aggregate import evaluate_claims, kind, summarize_family
 from claims import CLAIMS, DESIGN, MARGINS
 from common import markdown_table, write_json
 from plots import heat_grids, plot_claims, plot_points, plot_vit, plot_vlm, plot_vlm_heatmaps
-from protocols import FAMILIES, PROTOCOLS, describe
+from protocols import FAMILIES, PROTOCOLS, VLM_CLAIM_RANGE, describe
 from sequential import next_look_runs
-from suite import load_records, plan, run_jobs
+from suite import Job, load_records, plan, record_ok, run_jobs
 
 __all__ = ["START", "END", "CORES", "report", "timing", "readme_section", "update_readme", "main"]
 
@@ -53,13 +53,15 @@ def _pct(c: dict | None, digits: int = 1) -> str:
 
 def family_table(fam: str, summary: dict[str, Any]) -> str:
     rows, conds = summary["rows"], summary["conditions"]
-    if fam == "vit":
+    if kind(fam) == "resolution":
         cols = [("in_distribution", "1x (in-dist)"), ("extrapolated", "extrapolated (mean > 1x)")]
         cols += [(c["key"], c["key"]) for c in conds if c["key"] != "x1"]
         order = "extrapolated"
-    elif fam == "vlm":
-        cols = [("in_distribution", "V-NIAH in-dist"), ("extrapolated", "V-NIAH extrapolated"),
-                ("v_niah_d_in_distribution", "V-NIAH-D in-dist"), ("v_niah_d_extrapolated", "V-NIAH-D extrapolated")]
+    elif kind(fam) == "long_video":
+        lo, hi = VLM_CLAIM_RANGE
+        cols = [("in_distribution", "V-NIAH in-dist"), ("near", f"V-NIAH {lo}-{hi}x"),
+                ("extrapolated", "V-NIAH extrapolated (all > 1x)"), ("v_niah_d_in_distribution", "V-NIAH-D in-dist"),
+                ("v_niah_d_near", f"V-NIAH-D {lo}-{hi}x"), ("v_niah_d_extrapolated", "V-NIAH-D extrapolated")]
         L, T = summary["meta"]["lengths"], summary["meta"]["train_frames"]
         cols += [(f"v_niah@{n}", f"{n} fr") for n in L if n > T]
         order = "extrapolated"
@@ -125,6 +127,8 @@ def timing(records: dict[str, list[dict]], planned: dict[str, int]) -> dict[str,
         recs = records.get(fam, [])
         tr = [r["timing"]["train"]["cpu_s"] for r in recs if "train" in r.get("timing", {})]
         ev = [r["timing"]["eval"]["cpu_s"] for r in recs if "eval" in r.get("timing", {})]
+        wall = [sum(r["timing"][k]["wall_s"] for k in ("train", "eval") if k in r["timing"]) for r in recs
+                if r.get("timing")]  # fmt: skip
         if not recs:
             complete = False
             fams[fam] = {"runs": 0, "planned": planned.get(fam, 0)}
@@ -133,7 +137,8 @@ def timing(records: dict[str, list[dict]], planned: dict[str, int]) -> dict[str,
         n = planned.get(fam, len(recs))
         complete &= len(recs) >= n
         fams[fam] = {"runs": len(recs), "planned": n, "train_cpu_s": mt, "eval_cpu_s": me,
-                     "cpu_h": n * (mt + me) / 3600}  # fmt: skip
+                     "wall_s_per_run": sum(wall) / len(wall) if wall else None, "cpu_h": n * (mt + me) / 3600,
+                     "per_run": {f"{r['encoding']}_seed{r['seed']}": r.get("timing") for r in recs}}  # fmt: skip
         total += n * (mt + me)
     return {"families": fams, "cores": CORES, "cpu_h": total / 3600, "estimate_h": total / 3600 / CORES,
             "complete": complete}  # fmt: skip
@@ -156,9 +161,9 @@ def report(results: Path, *, readme: Path | None, families: Sequence[str] = FAMI
         out.mkdir(parents=True, exist_ok=True)
         (out / "table.md").write_text(f"# {PROTOCOLS[fam].title}\n\nCells: mean ± half-width of the 95 % interval "
                                       f"over seeds (%).\n\n" + family_table(fam, s))  # fmt: skip
-        if fam == "vit":
+        if kind(fam) == "resolution":
             plot_vit(s, out / "resolution.png")
-        elif fam == "vlm":
+        elif kind(fam) == "long_video":
             plot_vlm(s, out / "accuracy_vs_length.png")
             plot_vlm_heatmaps(heat_grids(records[fam]), s["meta"], out)
         else:
@@ -170,12 +175,12 @@ def report(results: Path, *, readme: Path | None, families: Sequence[str] = FAMI
     write_json(results / "protocol.json", {f: describe(PROTOCOLS[f]) for f in FAMILIES})
     planned = {f: len(PROTOCOLS[f].encodings) * PROTOCOLS[f].seeds for f in FAMILIES}
     t = timing(records, planned)
+    prev = json.loads((results / "timing.json").read_text()) if (results / "timing.json").is_file() else {}
+    t["invocations"] = prev.get("invocations", [])
     if last_wall_s is not None:
         t["last_wall_s"] = last_wall_s
-    elif (results / "timing.json").is_file():
-        prev = json.loads((results / "timing.json").read_text()).get("last_wall_s")
-        if prev is not None:
-            t["last_wall_s"] = prev
+    elif prev.get("last_wall_s") is not None:
+        t["last_wall_s"] = prev["last_wall_s"]
     write_json(results / "timing.json", t)
     section = readme_section(summary, claims, t)
     (results / "README.md").write_text(section)
@@ -192,9 +197,9 @@ def readme_section(summary: dict[str, Any], claims: Sequence[dict], t: dict[str,
              "tested on the same items and different seeds on disjoint items, so the interval carries both the "
              "seed-to-seed variation and the test-item sampling noise (`eval/stats.py`). Records of every run: "
              "`results/<family>/runs/`; all numbers: `results/summary.json`, `results/claims.json`.", ""]  # fmt: skip
-    figs = {"vit": "![accuracy vs resolution](results/vit/resolution.png)",
-            "vlm": "![accuracy vs length](results/vlm/accuracy_vs_length.png)",
-            "points": "![point-cloud conditions](results/points/conditions.png)"}  # fmt: skip
+    figs = {"resolution": "![accuracy vs resolution](results/{fam}/resolution.png)",
+            "long_video": "![accuracy vs length](results/{fam}/accuracy_vs_length.png)",
+            "points": "![point-cloud conditions](results/{fam}/conditions.png)"}  # fmt: skip
     for fam in FAMILIES:
         p = PROTOCOLS[fam]
         s = summary["families"].get(fam)
@@ -203,7 +208,7 @@ def readme_section(summary: dict[str, Any], claims: Sequence[dict], t: dict[str,
         if s is None:
             lines += ["Not measured yet: run `make bench FAMILY=" + fam + "`.", ""]
             continue
-        lines += [family_table(fam, s), "", figs[fam], ""]
+        lines += [family_table(fam, s), "", figs[kind(fam)].format(fam=fam), ""]
         conv = convergence(s)
         if conv:
             lines += [conv, ""]
@@ -248,6 +253,17 @@ def _timing_text(t: dict[str, Any]) -> str:
              f"idle cores.")  # fmt: skip
     if t.get("last_wall_s"):
         text += f" The last `--suite` invocation took {t['last_wall_s'] / 60:.0f} min wall (runs present are reused)."
+    from claims import fingerprint
+
+    mine = [i for i in t.get("invocations", []) if i.get("claims_protocol") == fingerprint() and i.get("runs")]
+    if mine:
+        by: dict[str, float] = {}
+        for i in mine:
+            key = "+".join(i["families"])
+            by[key] = by.get(key, 0.0) + i["wall_s"]
+        text += (f" Measured under this claims protocol: {len(mine)} `--suite` invocations that ran something, "
+                 f"{sum(i['wall_s'] for i in mine) / 3600:.2f} h wall in all (" + ", ".join(
+                     f"{k} {v / 3600:.2f} h" for k, v in by.items()) + "; `results/timing.json`, `invocations`).")
     return text
 
 
@@ -270,6 +286,34 @@ def update_readme(path: Path, section: str) -> bool:
 ROOT = Path(__file__).resolve().parents[1]
 
 
+def next_look_jobs(claims: Sequence[dict], families: Sequence[str], *, runs_dir: Path,
+                   results_dir: Path) -> list[Job]:  # fmt: skip
+    """The jobs (one per encoding and seed) of the runs the open claims' next look needs, in ``families``."""
+    want = {}
+    for fam, row, seed in next_look_runs(claims, CLAIMS):
+        if fam in families:
+            enc = next((r.encoding for r in PROTOCOLS[fam].rows if r.name == row), row)
+            want[(fam, enc, seed)] = Job(PROTOCOLS[fam], enc, seed, runs_dir, results_dir)
+    return [want[k] for k in sorted(want, key=lambda k: (k[2], k[0], k[1]))]  # seed-major
+
+
+def log_invocation(results: Path, *, families: Sequence[str], jobs: int, runs: int, wall_s: float) -> None:
+    """Append one ``--suite`` invocation (families, runs it trained or evaluated, wall seconds, the claims
+    protocol, the machine) to ``results/timing.json``'s ``invocations``: the measured cost of ``make bench`` is
+    the sum of its invocations under one protocol, a resumed one included."""
+    from claims import fingerprint
+    from suite import provenance
+
+    path = results / "timing.json"
+    t = json.loads(path.read_text()) if path.is_file() else {}
+    prov = provenance(1)
+    t.setdefault("invocations", []).append({
+        "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "families": list(families), "jobs": jobs,
+        "runs": runs, "wall_s": round(wall_s, 1), "claims_protocol": fingerprint(), "commit": prov["commit"],
+        "cpu": prov["cpu"], "cores": os.cpu_count()})  # fmt: skip
+    write_json(path, t)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
@@ -283,6 +327,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--results", default=str(ROOT / "results"), help="where the records and the report go")
     p.add_argument("--readme", default=str(ROOT / "README.md"), help="README to update ('' to skip)")
     p.add_argument("--fresh", action="store_true", help="retrain and re-evaluate every planned run")
+    p.add_argument("--first-look", action="store_true",
+                   help="run the protocol's first seeds only (default: then the looks the open claims need, "
+                        "sequentially, until every claim of these families is decided, at its cap or waiting)")
     p.add_argument("--reevaluate", action="store_true",
                    help="evaluate again every planned run whose weights are under --runs (after a change to the "
                         "evaluation code; the training is reused, runs without weights keep their records)")
@@ -305,12 +352,29 @@ def main(argv: Sequence[str] | None = None) -> int:
                     results_dir=results)  # fmt: skip
         if not jobs:
             p.error("nothing to run: no config matches --families / --encodings")
-        print(f"[suite] {len(jobs)} jobs: " + ", ".join(
-            f"{fam} {sum(j.family == fam for j in jobs)}" for fam in args.families), flush=True)  # fmt: skip
+        sequential = args.encodings is None and args.seeds is None and not args.first_look
         t0 = time.perf_counter()
-        failed = run_jobs(jobs, jobs_at_once=args.jobs, fresh=args.fresh, reevaluate=args.reevaluate,
-                          progress=not args.no_progress)
+        ran = 0
+        while jobs:
+            todo = [j for j in jobs if args.fresh or not record_ok(j)]
+            print(f"[suite] {len(jobs)} jobs ({len(todo)} to run): " + ", ".join(
+                f"{fam} {sum(j.family == fam for j in jobs)}" for fam in args.families), flush=True)  # fmt: skip
+            failed += run_jobs(jobs, jobs_at_once=args.jobs, fresh=args.fresh, reevaluate=args.reevaluate,
+                               progress=not args.no_progress)  # fmt: skip
+            ran += len(todo)
+            if failed or not sequential:
+                break
+            # the next look: the seeds the open claims of these families need (none once every claim is decided,
+            # at its cap, or waiting for a look that another family's rows hold back)
+            claims = evaluate_claims({f: load_records(results, f) for f in FAMILIES}, reps=2)
+            jobs = next_look_jobs(claims, args.families, runs_dir=Path(args.runs), results_dir=results)
+            args.fresh = False  # --fresh redoes the first planned runs only
+            waiting = sorted({fam for fam, _, _ in next_look_runs(claims, CLAIMS)} - set(args.families))
+            if not jobs and waiting:
+                print(f"[suite] the next look waits for runs of {', '.join(waiting)} (make bench FAMILY=...)",
+                      flush=True)  # fmt: skip
         wall = time.perf_counter() - t0
+        log_invocation(results, families=args.families, jobs=args.jobs, runs=ran, wall_s=wall)
         for f in failed:
             print(f"[suite] {f}", file=sys.stderr)
     out = report(results, readme=readme, families=args.families, last_wall_s=wall)

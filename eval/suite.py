@@ -29,7 +29,7 @@ from typing import Any, Sequence
 from claims import fingerprint as claims_fingerprint
 from protocols import PROTOCOLS, ROOT, Protocol, config_path, train_fingerprint
 
-__all__ = ["Job", "plan", "record_path", "load_records", "run_jobs", "job_command_train", "job_command_eval",
+__all__ = ["Job", "plan", "record_path", "record_ok", "load_records", "run_jobs", "job_command_train", "job_command_eval",
            "provenance"]
 
 
@@ -105,10 +105,10 @@ def plan(families: Sequence[str], *, encodings: Sequence[str] | None = None, see
 
 def job_command_train(job: Job) -> list[str]:
     p = job.protocol
-    n = next((int(o.split("=", 1)[1]) for o in p.train if o.startswith("train.steps=")), None)
+    n = next((int(o.split("=", 1)[1]) for o in p.overrides(job.encoding) if o.startswith("train.steps=")), None)
     cmd = [sys.executable, str(ROOT / "train" / f"{p.script}.py"), "--config", str(config_path(p, job.encoding)),
-           *p.train, f"train.seed={job.seed}", f"train.out_dir={job.run_dir}", "train.keep_checkpoints=1",
-           "train.progress=false", "train.resume=auto"]  # fmt: skip
+           *p.overrides(job.encoding), f"train.seed={job.seed}", f"train.out_dir={job.run_dir}",
+           "train.keep_checkpoints=1", "train.progress=false", "train.resume=auto"]  # fmt: skip
     if n is not None:
         cmd += [f"train.val_every={max(1, n // 4)}", f"train.ckpt_every={max(1, n // 2)}",
                 f"train.log_every={max(1, min(20, n // 20))}"]  # fmt: skip
@@ -136,6 +136,11 @@ def run_logged(cmd: Sequence[str], log: Path, *, env: dict[str, str]) -> tuple[i
         proc = subprocess.Popen(list(cmd), cwd=ROOT, env=env, stdout=f, stderr=subprocess.STDOUT)
         _, status, usage = os.wait4(proc.pid, 0)
     return os.waitstatus_to_exitcode(status), time.perf_counter() - t0, usage.ru_utime + usage.ru_stime
+
+
+def record_ok(job: Job) -> bool:
+    """Whether ``job`` has a record of the current protocol (it would be reused, not run)."""
+    return _record_ok(record_path(job.results_dir, job.family, job.encoding, job.seed), job)
 
 
 def _record_ok(path: Path, job: Job) -> bool:
@@ -254,7 +259,7 @@ def execute(
         rows[r.name] = _strip(ev)
     record = {
         "family": job.family, "encoding": job.encoding, "seed": job.seed, "fingerprint": job.fingerprint,
-        "train_overrides": list(job.protocol.train), "eval_args": job.eval_args, "timing": timing,
+        "train_overrides": list(job.protocol.overrides(job.encoding)), "eval_args": job.eval_args, "timing": timing,
         "val_curve": _val_curve(run_dir), "rows": rows, "claims_fingerprint": claims_fingerprint(),
         "provenance": provenance(threads),
     }  # fmt: skip

@@ -6,8 +6,9 @@ What is checked, and against what:
 - the rule by simulation (normal per-seed differences at the spreads measured from the records: V-NIAH VideoRoPE
   13.3, HoPE 24.2, MRoPE-I 14.8, VRoPE 13.0, V2PE 4.2, V-NIAH-D 8.1 points, MHRoPE as MRoPE-I, every top-1 claim
   8): with no true difference anywhere the probability of any false sign decision over the 15 claims is at most
-  5 %; with a true difference of 2 x margin every claim is decided ``agrees`` with probability at least 0.99 by its
-  cap (measured 0.998-1.0) and never ``equivalent``; with a difference of exactly the margin the probability of any
+  5 %; with a true difference of 2 x margin a claim is decided ``agrees`` by its cap with probability at least
+  0.6 for the top-1 claims (cap 10 seeds at a spread of 8 points: measured 0.64-0.66), at least 0.8 for HoPE (cap
+  20, spread 24.2: measured 0.83) and at least 0.99 for the other V-NIAH claims (cap 20), and never ``equivalent``; with a difference of exactly the margin the probability of any
   false ``equivalent`` is at most 5 %; with no difference and a spread of 2 points every claim is ``equivalent`` with
   probability at least 0.95;
 - the fingerprint follows margins, caps, looks and rows but not a claim's wording; records of another claims
@@ -110,7 +111,9 @@ def test_no_true_difference_false_sign_decisions_at_most_five_percent():
 
 def test_two_margins_of_true_difference_are_decided():
     v = _simulate(2.0)
-    assert ((v == S.AGREES).mean(axis=0) >= 0.99).all()
+    rate = (v == S.AGREES).mean(axis=0)
+    need = np.array([0.6 if c.cap == 10 else 0.8 if SD.get(c.claim, 0) > 20 else 0.99 for c in C.CLAIMS])
+    assert (rate >= need).all(), dict(zip([c.claim for c in C.CLAIMS], rate))
     assert not (v == S.EQUIVALENT).any() and not (v == S.DISAGREES).any()
 
 
@@ -130,7 +133,7 @@ def test_fingerprint_follows_the_decision_relevant_parts():
     first = C.CLAIMS[0]
     wider = (replace(first, margin=first.margin + 1), *C.CLAIMS[1:])
     assert C.fingerprint(wider) != fp
-    assert C.fingerprint((replace(first, cap=10), *C.CLAIMS[1:])) != fp
+    assert C.fingerprint((replace(first, cap=20 if first.cap != 20 else 10), *C.CLAIMS[1:])) != fp
     assert C.fingerprint(design=C.Design(looks=(5, 10, 20, 30, 40))) != fp
     assert C.fingerprint(design=C.Design(legacy="refuse")) != fp
     assert C.fingerprint(C.CLAIMS[:-1]) != fp  # a claim more or less is another protocol
@@ -170,8 +173,9 @@ def test_design_rejects_inconsistent_settings():
         C.Design(looks=(10, 5))
     with pytest.raises(ValueError, match="interim"):
         C.Design(interim=0.5)
-    assert C.DESIGN.fraction(5, 40) == 0.02 and C.DESIGN.fraction(40, 40) == pytest.approx(1 - 3 * 0.02)
+    assert C.DESIGN.fraction(5, 20) == 0.02 and C.DESIGN.fraction(20, 20) == pytest.approx(1 - 2 * 0.02)
     assert sum(C.DESIGN.fraction(n, 20) for n in (5, 10, 20)) == pytest.approx(1.0)
+    assert sum(C.DESIGN.fraction(n, 10) for n in (5, 10)) == pytest.approx(1.0)
 
 
 def test_looks_are_synchronous_so_a_reported_verdict_never_changes_when_other_seeds_arrive():

@@ -81,6 +81,7 @@ def write_record(results: Path, family: str, encoding: str, seed: int, rows: dic
 #: the rows the other claims compare, filled with their reference row's accuracies (a difference of exactly 0)
 VIT_FILLERS = ("pape", "peg", "ape", "fire", "rope_mixed")
 VLM_FILLERS = ("hope_video", "mrope_i", "vrope", "v2pe", "mhrope")
+SHAPES_FILLERS = ("peg", "ape")
 
 
 def make_results(root: Path, *, lookhere_wins: bool = True, without: tuple[str, ...] = ()) -> Path:
@@ -98,6 +99,8 @@ def make_results(root: Path, *, lookhere_wins: bool = True, without: tuple[str, 
         write_record(results, "vlm", "mrope", s, {"mrope": vlm_ev([1.0, 1.0, 0.6, 0.3], s, 100)})
         write_record(results, "points", "pape_ri", s, {"pape_ri": pts_ev(0.8, 0.75, 0.7, s, 0)})
         write_record(results, "points", "pape", s, {"pape": pts_ev(0.85, 0.35, 0.7, s, 100)})
+        for k, enc in enumerate(e for e in SHAPES_FILLERS if e not in without):  # PEG vs APE: a difference of 0
+            write_record(results, "shapes", enc, s, {enc: vit_ev([a - d for a in rope], s, 500)})
         for k, enc in enumerate(e for e in VIT_FILLERS if e not in without):
             write_record(results, "vit", enc, s, {enc: vit_ev([a - d for a in rope], s, 400 + 10 * k)})
         for k, enc in enumerate(e for e in VLM_FILLERS if e not in without):
@@ -109,7 +112,7 @@ def test_summary_schema_and_hand_computed_means(tmp_path):
     results = make_results(tmp_path)
     out = report.report(results, readme=None, reps=200)
     summary = json.loads((results / "summary.json").read_text())
-    assert set(summary["families"]) == {"vit", "vlm", "points"}
+    assert set(summary["families"]) == {"vit", "shapes", "vlm", "points"}
     lh = summary["families"]["vit"]["rows"]["lookhere"]
     for key in ("in_distribution", "extrapolated", "x1", "x2", "x4.57"):
         assert {"mean", "std", "n", "ci95"} <= set(lh[key]), key
