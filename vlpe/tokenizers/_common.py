@@ -19,9 +19,16 @@ def check_finite_samples(samples: Sequence[Tensor], who: str, what: str) -> None
     """``ValueError`` naming the first sample (of batches ``samples``, each (b, ...)) with a NaN/inf value.
 
     One reduction and one device-to-host read for all of them: the tokenizers' price for refusing NaN input
-    (the encodings and attention downstream read nothing back).
+    (the encodings and attention downstream read nothing back). Under ``torch.compile`` the reduction is kept
+    and checked by ``torch._assert_async`` instead (no host read, no graph break; a ``RuntimeError``).
     """
     ok = torch.cat([torch.isfinite(x).flatten(1).all(1) for x in samples])  # (B,)
+    if torch.compiler.is_compiling():
+        # under torch.compile the same check stays in the graph as an assert on the device (no host read, no
+        # graph break); it raises RuntimeError when the compiled code runs, without naming the sample
+        msg = f"{who}: a {what} sample has NaN or infinite values (check_finite=False skips this check)"
+        torch._assert_async(ok.all(), msg)
+        return
     if bool(ok.all()):
         return
     bad = int((~ok).nonzero()[0, 0])

@@ -86,12 +86,15 @@ def _rotate(x: Tensor, cos: Tensor, sin: Tensor, *, inverse: bool = False) -> Te
 
     Elementwise ``mul``/``sub_``/``add_`` per half in the promoted precision (rounding exactly like the plain
     formula), no ``cat``; then one cast back to ``x.dtype`` when the tables are wider. Not differentiable itself (``out=``); see
-    :class:`_RoPEFunction`.
+    :class:`_RoPEFunction`. Under ``torch.compile`` the same operations run out of place
+    (:func:`_rotate_functional`), which the compiler traces without a graph break.
     """
     P = cos.shape[-1]
     rot, D = 2 * P, x.shape[-1]
     dt = torch.promote_types(x.dtype, cos.dtype)
     lead = torch.broadcast_shapes(x.shape[:-1], cos.shape[:-1], sin.shape[:-1])
+    if torch.compiler.is_compiling():
+        return _rotate_functional(x, cos, sin, inverse=inverse, dt=dt, lead=lead)
     out = torch.empty(*lead, D, dtype=dt, device=x.device)  # (..., N, D)
     x1, x2 = x[..., :P], x[..., P:rot]
     o1, o2 = out[..., :P], out[..., P:rot]
@@ -104,6 +107,23 @@ def _rotate(x: Tensor, cos: Tensor, sin: Tensor, *, inverse: bool = False) -> Te
     o2.sub_(tmp) if inverse else o2.add_(tmp)  # x2 cos + x1 sin  (inverse: - x1 sin)
     if rot != D:
         out[..., rot:] = x[..., rot:]  # partial rotary: the rest passes through
+    return out if dt == x.dtype else out.to(x.dtype)
+
+
+def _rotate_functional(x: Tensor, cos: Tensor, sin: Tensor, *, inverse: bool, dt: torch.dtype, lead) -> Tensor:
+    """:func:`_rotate` without ``out=`` (``torch.compile`` cannot write into the strided halves of one buffer):
+    the same elementwise operations in the same precision, joined by ``cat``; the compiler fuses them."""
+    P = cos.shape[-1]
+    rot, D = 2 * P, x.shape[-1]
+    x1, x2 = x[..., :P], x[..., P:rot]  # (..., N, D/2) each
+    a1, b1 = x1 * cos, x2 * sin
+    a2, b2 = x2 * cos, x1 * sin
+    o1 = a1 + b1 if inverse else a1 - b1  # x1 cos - x2 sin   (inverse: + x2 sin)
+    o2 = a2 - b2 if inverse else a2 + b2  # x2 cos + x1 sin  (inverse: - x1 sin)
+    parts = [o1, o2]  # (*lead, D/2) each: x and the tables broadcast
+    if rot != D:
+        parts.append(x[..., rot:].to(dt).expand(*lead, D - rot))  # partial rotary: the rest passes through
+    out = torch.cat(parts, dim=-1)  # (..., N, D)
     return out if dt == x.dtype else out.to(x.dtype)
 
 
