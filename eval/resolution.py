@@ -87,7 +87,14 @@ class _Resized(Dataset):
 
 
 def test_dataset(data, size: int, protocol: str, *, crop_ratio: float = 224 / 256) -> Dataset:
-    """The validation set of the run's ``data`` section at test side ``size`` under a resolved ``protocol``."""
+    """The test split of the run's ``data`` section at test side ``size`` under a resolved ``protocol``.
+
+    Never the training-time validation set: that is the tail of the training split when ``data.holdout > 0``.
+    The test split is ``train.vit.build_datasets(data, split="test")``'s: the official test split of Fashion-MNIST /
+    MNIST-5k / digits, the ``val/`` class folder, ``Shapes(split="test", num_samples=data.shapes_test)`` (read from
+    the render cache when ``data.shapes_cache``); ``data.val_limit`` keeps its first images, as it always has.
+    Checked against (``tests/test_vit_holdout.py``, ``tests/test_eval.py``): the test split's own images.
+    """
     from data.transforms import eval_transform
     from train.vit import build_datasets
 
@@ -104,11 +111,11 @@ def test_dataset(data, size: int, protocol: str, *, crop_ratio: float = 224 / 25
         val: Dataset = ImageFolder(root / "val", classes=classes, channels=data.channels, **opts)
         return Subset(val, range(min(data.val_limit, len(val)))) if data.val_limit is not None else val
     if protocol == "render" or (protocol == "resize" and data.dataset in _ARRAY_SETS):
-        return build_datasets(data, size=size)[1]  # rendered at / resized from the source to `size`
+        return build_datasets(data, size=size, split="test")[1]  # rendered at / resized from the source
     if protocol == "resize":  # shapes: the render at the training size, upsampled
-        return _Resized(build_datasets(data)[1], size)
+        return _Resized(build_datasets(data, split="test")[1], size)
     # crop on an in-memory image set: the PaPE pipeline on the stored images
-    val = build_datasets(data, size=None)[1]
+    val = build_datasets(data, size=None, split="test")[1]
     base = copy.copy(val.dataset if isinstance(val, Subset) else val)
     base.transform, base.size = eval_transform(size, crop_ratio=crop_ratio), None
     return Subset(base, val.indices) if isinstance(val, Subset) else base
@@ -150,11 +157,12 @@ def evaluate_run(
     """Top-1 / ECE / NLL of one exported ViT run at every test size; a JSON-ready dict.
 
     ``ratios`` (default the LookHere ratios) multiply the training size; each test size is rounded to a
-    multiple of the patch size. ``offset`` / ``limit`` evaluate validation images ``offset .. offset+limit-1``
-    (the benchmark gives every seed its own slice). ``scaling`` (``linear`` / ``ntk`` / ``yarn``) applies that
-    training-free RoPE scaling at every test size, with factor = test grid / training grid per axis
-    (:func:`vlpe.encodings.functional.scaling.resolution_scaling`); the model must hold a rotary encoding. The
-    batch shrinks as ``batch_size * (T/S)^2`` so a batch holds about the same number of tokens at every size.
+    multiple of the patch size. ``offset`` / ``limit`` evaluate test-split images ``offset .. offset+limit-1``
+    (:func:`test_dataset`, never the training-time validation set; the benchmark gives every seed its own slice).
+    ``scaling`` (``linear`` / ``ntk`` / ``yarn``) applies that training-free RoPE scaling at every test size, with
+    factor = test grid / training grid per axis (:func:`vlpe.encodings.functional.scaling.resolution_scaling`);
+    the model must hold a rotary encoding. The batch shrinks as ``batch_size * (T/S)^2`` so a batch holds about the
+    same number of tokens at every size.
     """
     from vlpe.encodings import set_scaling
     from vlpe.encodings.functional.scaling import resolution_scaling
@@ -184,7 +192,7 @@ def evaluate_run(
             n = len(ds)  # type: ignore[arg-type]
             if offset or limit is not None:
                 if offset >= n:
-                    raise ValueError(f"offset {offset} is past the {n} validation images of {run_dir}")
+                    raise ValueError(f"offset {offset} is past the {n} test images of {run_dir}")
                 stop = n if limit is None else min(n, offset + limit)
                 ds = Subset(ds, range(offset, stop))  # type: ignore[arg-type]
             if scaling is not None:
@@ -299,8 +307,8 @@ def main(argv: Sequence[str] | None = None) -> list[dict]:
     p.add_argument("--out", default="outputs/resolution", help="output folder")
     p.add_argument("--protocol", default="auto", choices=PROTOCOLS)
     p.add_argument("--crop-ratio", type=float, default=224 / 256, help="crop protocol: crop side / resized short side")
-    p.add_argument("--limit", type=int, default=None, help="evaluate N validation images (from --offset)")
-    p.add_argument("--offset", type=int, default=0, help="index of the first validation image evaluated")
+    p.add_argument("--limit", type=int, default=None, help="evaluate N test images (from --offset)")
+    p.add_argument("--offset", type=int, default=0, help="index of the first test image evaluated")
     p.add_argument("--scaling", nargs="+", default=["none"], choices=["none", *SCALINGS],
                    help="training-free RoPE scaling at the test size; several: one evaluation each")
     p.add_argument("--batch-size", type=int, default=64, help="batch at the training size (scaled down with size)")

@@ -239,7 +239,7 @@ def test_shapes_rerendered_and_size_quintiles(tmp_path):
     run_dir = export_run(tmp_path / "shapes_alibi", "vit", SHAPES_RAW)
     ev = resolution.evaluate_run(run_dir, [1, 2], device="cpu", progress=False)
     assert ev["protocol"] == "render"
-    shapes = Shapes(num_samples=30, resolution=16, split="val")
+    shapes = Shapes(num_samples=30, resolution=16, split="test")  # evaluation reads the test split
     bins = torch.tensor([shapes.size_bin(i) for i in range(30)])
     for r in ev["results"]:
         per_bin = r["acc_by_size_bin"]
