@@ -14,7 +14,7 @@ demo: setup
 test: setup
 	$(PY) -m pytest -n 2 -q tests
 
-# make bench FAMILY=vit runs one family (vit, vlm or points); finished runs are reused
+# make bench FAMILY=vit runs one family (vit, shapes, vlm or points); finished runs are reused
 bench: setup
 	$(PY) eval/report.py --suite $(if $(FAMILY),--families $(FAMILY))
 

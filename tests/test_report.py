@@ -281,14 +281,49 @@ def test_plan_errors():
     assert {j.encoding for j in allv} >= {"rope", "fire", "rope_dinov3", "pape_ri"}
 
 
-def test_vit_protocol_slices_are_disjoint_and_exist():
-    """Seed k's test images 1000k ... 1000k+999 must exist in the (unlimited) Fashion-MNIST test set."""
-    p = PROTOCOLS["vit"]
-    assert "data.val_limit=null" in p.train
+@pytest.mark.parametrize("family", ["vit", "shapes"])
+def test_image_protocol_slices_are_disjoint_and_exist_up_to_every_claims_cap(family):
+    """Seed k's test images 500k ... 500k+499 must exist in the 10,000 test images for every seed a claim of the
+    family may spend (its cap), and the protocol's ``max_seeds`` says how far they reach."""
+    p = PROTOCOLS[family]
+    assert "data.val_limit=null" in p.train and "data.holdout=1000" in p.train  # validation: held-out train images
     limit = int(p.eval_args[p.eval_args.index("--limit") + 1])
-    starts = [int(p.seed_args(k)[1]) for k in range(p.seeds)]
+    caps = [c.cap for c in CLAIMS if c.family == family]
+    assert caps and max(caps) <= p.max_seeds
+    starts = [int(p.seed_args(k)[1]) for k in range(p.max_seeds)]
     assert all(b - a >= limit for a, b in zip(starts, starts[1:]))  # disjoint
-    assert starts[-1] + limit <= 10_000  # the Fashion-MNIST test set
+    assert starts[-1] + limit <= 10_000  # the Fashion-MNIST test set / data.shapes_test
+
+
+def test_next_look_jobs_map_rows_to_their_runs_and_keep_to_the_families(tmp_path):
+    """The sequential suite asks for the encodings (not the rows) of the open claims' next look, seed-major, only in
+    the families it runs; a scaled row (rope+yarn) is a run of its encoding."""
+    entries = []
+    for c in CLAIMS:
+        have = {r: list(range(5)) for r in (c.better, c.other)}
+        entries.append({"verdict": "open", "next_look": 10, "row_seeds": have})
+    jobs = report.next_look_jobs(entries, ["vit"], runs_dir=tmp_path / "r", results_dir=tmp_path / "s")
+    assert {j.family for j in jobs} == {"vit"}
+    want = {r for c in CLAIMS if c.family == "vit" for r in (c.better, c.other)}
+    encs = {next((r.encoding for r in PROTOCOLS["vit"].rows if r.name == w), w) for w in want}
+    assert {j.encoding for j in jobs} == encs and "rope+yarn" not in encs and "rope" in encs
+    assert sorted({j.seed for j in jobs}) == list(range(5, 10))
+    assert [j.seed for j in jobs] == sorted(j.seed for j in jobs)  # seed-major
+    decided = [{**e, "verdict": "agrees"} for e in entries]
+    assert report.next_look_jobs(decided, ["vit", "vlm"], runs_dir=tmp_path, results_dir=tmp_path) == []
+
+
+def test_each_suite_invocation_is_logged_with_its_wall_time(tmp_path):
+    results = tmp_path / "results"
+    results.mkdir()
+    report.log_invocation(results, families=["vlm"], jobs=2, runs=3, wall_s=12.34)
+    report.log_invocation(results, families=["points"], jobs=2, runs=0, wall_s=1.0)
+    inv = json.loads((results / "timing.json").read_text())["invocations"]
+    assert [i["families"] for i in inv] == [["vlm"], ["points"]] and inv[0]["wall_s"] == 12.3
+    assert inv[0]["claims_protocol"] == fingerprint() and inv[0]["runs"] == 3
+    t = report.timing({}, {})
+    t["invocations"] = inv
+    assert "0.00 h wall in all (vlm 0.00 h" in report._timing_text(t)  # only invocations that ran something
 
 
 def test_the_training_fingerprint_reads_what_the_configs_say_not_how(tmp_path, monkeypatch):
@@ -337,3 +372,19 @@ def test_a_claim_whose_rows_share_no_seed_says_so(tmp_path):
     report.report(results, readme=None, reps=200)
     ri = _claim(json.loads((results / "claims.json").read_text()), "PaPE-RI robust")
     assert ri["verdict"] == "not measured" and ri["reason"] == "no seed common to pape_ri and pape"
+
+
+def test_the_vlm_claims_range_is_two_to_eight_times_the_training_length():
+    """``near`` (what the V-NIAH claims read) weighs the lengths 2T ... 8T equally and nothing else; ``extrapolated``
+    every length above T."""
+    import aggregate
+
+    L = [4, 8, 16, 32, 64, 128, 256]
+    conds = [aggregate.Condition(f"{t}@{n}", "") for t in ("v_niah", "v_niah_d") for n in L]
+    sel = aggregate.family_selectors("vlm", conds, {"train_frames": 8})
+    near = dict(zip([c.key for c in conds], sel["near"]))
+    assert {k for k, w in near.items() if w} == {"v_niah@16", "v_niah@32", "v_niah@64"}
+    assert all(abs(w - 1 / 3) < 1e-12 for w in near.values() if w)
+    d_near = dict(zip([c.key for c in conds], sel["v_niah_d_near"]))
+    assert {k for k, w in d_near.items() if w} == {"v_niah_d@16", "v_niah_d@32", "v_niah_d@64"}
+    assert sum(1 for w in sel["extrapolated"] if w) == 5
