@@ -4,6 +4,11 @@ The group centres are the tokens' positions (``vlpe.Positions.points``, continuo
 that reads continuous coordinates works: ``rope`` (num_axes=3), ``alibi``, ``sincos``, ``fourier``,
 ``pape``, ``pape_ri``, ``nope``, ... Encodings that need a regular grid (``peg``, ``irpe``, ``lookhere``,
 ``ape``) are rejected with the error the encoding raises.
+
+``local`` is the tokenizer's per-neighbour input (:class:`vlpe.tokenizers.PointTokenizer`): ``'offsets'``
+(raw centred xyz, default) or ``'invariant'`` (RIConv's rotation-invariant distances and cosine, Zhang et al.,
+3DV 2019). With ``'invariant'`` and a rotation-invariant encoding (``nope``, ``pape_ri``, ``alibi``) the
+logits do not change under rotations and translations of the cloud (``tests/test_points_invariant_features.py``).
 """
 
 from __future__ import annotations
@@ -45,13 +50,18 @@ class PointTransformer(nn.Module, HubMixin):
         mlp_ratio: float = 4.0,
         drop_path_rate: float = 0.0,
         backend: Backend = "sdpa",
+        local: Literal["offsets", "invariant"] = "offsets",
     ) -> None:
         super().__init__()
         if readout not in ("cls", "gap"):
             raise ValueError(f"readout must be 'cls' or 'gap', got {readout!r}")
         self.readout = readout
         self.tokenizer = PointTokenizer(
-            dim=embed_dim, num_groups=num_groups, group_size=group_size, num_prefix=int(readout == "cls")
+            dim=embed_dim,
+            num_groups=num_groups,
+            group_size=group_size,
+            num_prefix=int(readout == "cls"),
+            local=local,
         )
         options = dict(encoding_options or {})
         options.setdefault("num_axes", 3)
@@ -71,7 +81,8 @@ class PointTransformer(nn.Module, HubMixin):
         enc = self.encoder
         return (
             f"point transformer (width {enc.norm.normalized_shape[0]}, {len(enc.blocks)} blocks, "
-            f"{self.tokenizer.num_groups} groups of {self.tokenizer.group_size} points, readout {self.readout})"
+            f"{self.tokenizer.num_groups} groups of {self.tokenizer.group_size} points, "
+            f"local features {self.tokenizer.local}, readout {self.readout})"
         )
 
     def no_weight_decay(self) -> set[str]:

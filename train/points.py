@@ -27,6 +27,7 @@ class ModelSection:
     num_heads: int = 4
     num_groups: int = 32
     group_size: int = 16
+    local: Literal["offsets", "invariant"] = "offsets"  # per-neighbour tokenizer input (PointTokenizer)
     encoding: str = "rope"
     encoding_options: dict = field(default_factory=dict)
     readout: Literal["cls", "gap"] = "gap"
@@ -83,6 +84,7 @@ def build_model(cfg: PointsConfig, num_classes: int):
         num_heads=m.num_heads,
         num_groups=m.num_groups,
         group_size=m.group_size,
+        local=m.local,
         encoding=m.encoding,
         encoding_options=m.encoding_options,
         readout=m.readout,

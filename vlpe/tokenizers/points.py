@@ -11,9 +11,12 @@ from ..encodings.base import fp32
 from ..positions import Positions
 from ._common import PrefixTokens
 
-__all__ = ["PointTokenizer", "farthest_point_sample", "knn_indices", "gather_points"]
+__all__ = ["PointTokenizer", "farthest_point_sample", "knn_indices", "gather_points", "invariant_local_features"]
 
 Start = Literal["far", "first", "random"]
+Local = Literal["offsets", "invariant"]
+LOCALS = ("offsets", "invariant")
+INVARIANT_FEATURES = 4  # channels of invariant_local_features
 
 
 def gather_points(x: Tensor, idx: Tensor) -> Tensor:
@@ -91,6 +94,33 @@ def farthest_point_sample(
     return idx
 
 
+def invariant_local_features(nbrs: Tensor, centres: Tensor, *, eps: float = 1e-12) -> Tensor:
+    """Rotation- and translation-invariant description (B, G, k, 4) of each neighbour of each group, fp32.
+
+    ``nbrs`` (B, G, k, A) are a group's neighbours p_j (the centre itself among them), ``centres`` (B, G, A)
+    its centre c; m is the mean of the k neighbours. Per neighbour: ``[|p_j - c|, |p_j - m|, |m - c|,
+    cos angle(p_j - c, m - c)]``. The local reference (the sampled centre and the neighbourhood's mean) is the
+    one of RIConv (Zhang et al., "Rotation Invariant Convolutions for 3D Point Clouds Deep Learning", 3DV
+    2019), whose features are distances and angles of the same triangle (p_j, c, m); its three sides
+    determine it, and the cosine is kept as an explicit angle feature. Every entry is a norm or a normalised
+    dot product of differences of points, so it is unchanged by any rotation or reflection (any A) and any
+    translation of the cloud. The cosine is 0 where either vector has zero length (the centre as its own
+    neighbour, or a group whose mean is its centre): the division is by ``max(|p_j - c| |m - c|, eps)``,
+    which keeps ``|cos| <= 1`` and never gives NaN (gradients included: a zero vector's norm has gradient 0).
+    Checked in ``tests/test_points_invariant_features.py`` against hand-computed numbers and, through a
+    whole model, against logits of rotated and translated clouds.
+    """
+    p = fp32(nbrs)  # (B, G, k, A)
+    c = fp32(centres).unsqueeze(2)  # (B, G, 1, A)
+    m = p.mean(dim=2, keepdim=True)  # (B, G, 1, A)
+    to_p, from_m, to_m = p - c, p - m, m - c  # (B, G, k, A), (B, G, k, A), (B, G, 1, A)
+    d_pc = torch.linalg.vector_norm(to_p, dim=-1)  # (B, G, k)
+    d_pm = torch.linalg.vector_norm(from_m, dim=-1)  # (B, G, k)
+    d_mc = torch.linalg.vector_norm(to_m, dim=-1)  # (B, G, 1)
+    cos = (to_p * to_m).sum(-1) / (d_pc * d_mc).clamp_min(eps)  # (B, G, k); 0 when either vector is 0
+    return torch.stack([d_pc, d_pm, d_mc.expand_as(d_pc), cos], dim=-1)  # (B, G, k, 4)
+
+
 @torch.no_grad()
 def knn_indices(xyz: Tensor, centres: Tensor, k: int, *, valid: Tensor | None = None) -> Tensor:
     """Indices (B, G, k) of the ``k`` real points of ``xyz`` (B, P, D) nearest to each of ``centres`` (B, G, D).
@@ -126,6 +156,15 @@ class PointTokenizer(nn.Module):
     statistics). The output depends on the set of points, not their order, when ``start='far'`` (default);
     ``start='random'`` draws the first centre at random in training (augmentation) and uses ``'far'`` in
     eval. Positions carry no gradient (centres are detached); tokens do, through the centred neighbourhoods.
+
+    ``local`` chooses what the first MLP sees of each neighbour: ``'offsets'`` (default) its raw centred
+    coordinates p_j - c (``num_axes`` numbers, as Point-BERT / Point-MAE; they turn with the cloud, so no
+    model on them is rotation invariant), ``'invariant'`` the 4 rotation- and translation-invariant numbers of
+    :func:`invariant_local_features` (distances to the centre and to the neighbourhood mean, the mean's
+    distance to the centre and one cosine: RIConv's local reference, Zhang et al., 3DV 2019). FPS from the
+    ``'far'`` start and kNN are rotation equivariant, so with ``'invariant'`` the tokens are unchanged by a
+    rotation or translation of the cloud (up to exact distance ties) and the positions turn with it: a model
+    is then rotation invariant if its position encoding is (``nope``, ``pape_ri``, ``alibi``).
     """
 
     def __init__(
@@ -139,6 +178,7 @@ class PointTokenizer(nn.Module):
         hidden: int = 128,
         num_prefix: int = 0,
         start: Start = "far",
+        local: Local = "offsets",
     ) -> None:
         super().__init__()
         if min(dim, num_groups, group_size, num_axes, hidden) < 1 or in_features < 0:
@@ -148,10 +188,13 @@ class PointTokenizer(nn.Module):
             )
         if start not in ("far", "first", "random"):
             raise ValueError(f"start must be 'far', 'first' or 'random', got {start!r}")
+        if local not in LOCALS:
+            raise ValueError(f"local must be one of {list(LOCALS)} (the per-neighbour input), got {local!r}")
         self.dim, self.num_groups, self.group_size = dim, num_groups, group_size
-        self.in_features, self.num_axes, self.start = in_features, num_axes, start
+        self.in_features, self.num_axes, self.start, self.local = in_features, num_axes, start, local
+        geometry = num_axes if local == "offsets" else INVARIANT_FEATURES
         self.first = nn.Sequential(
-            nn.Linear(num_axes + in_features, hidden), nn.LayerNorm(hidden), nn.GELU(), nn.Linear(hidden, hidden)
+            nn.Linear(geometry + in_features, hidden), nn.LayerNorm(hidden), nn.GELU(), nn.Linear(hidden, hidden)
         )
         self.second = nn.Sequential(
             nn.Linear(2 * hidden, 2 * hidden), nn.LayerNorm(2 * hidden), nn.GELU(), nn.Linear(2 * hidden, dim)
@@ -206,9 +249,15 @@ class PointTokenizer(nn.Module):
         self._check_values(xyz, features, valid)
         centre_idx, nbr_idx = self.group(xyz, valid)
         centres = gather_points(xyz, centre_idx)  # (B, G, A)
-        local = gather_points(xyz, nbr_idx) - centres.unsqueeze(2)  # (B, G, k, A)
+        if self.local == "offsets":
+            local = gather_points(xyz, nbr_idx) - centres.unsqueeze(2)  # (B, G, k, A)
+        else:
+            local = invariant_local_features(gather_points(xyz, nbr_idx), centres)  # (B, G, k, 4), fp32
         if features is not None:
-            local = torch.cat([local, gather_points(features, nbr_idx)], dim=-1)  # (B, G, k, A + F)
+            feats = gather_points(features, nbr_idx)  # (B, G, k, F)
+            if self.local != "offsets":
+                feats = feats.to(local.dtype)
+            local = torch.cat([local, feats], dim=-1)  # (B, G, k, A + F) or (B, G, k, 4 + F)
         f = self.first(local.to(self.first[0].weight.dtype))  # (B, G, k, h)
         pooled = f.amax(dim=2, keepdim=True)  # (B, G, 1, h)
         f = self.second(torch.cat([pooled.expand_as(f), f], dim=-1))  # (B, G, k, dim)
@@ -244,4 +293,7 @@ class PointTokenizer(nn.Module):
         )
 
     def extra_repr(self) -> str:
-        return f"num_groups={self.num_groups}, group_size={self.group_size}, start={self.start!r}"
+        return (
+            f"num_groups={self.num_groups}, group_size={self.group_size}, start={self.start!r}, "
+            f"local={self.local!r}"
+        )
