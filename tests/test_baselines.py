@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 
 import vlpe
+from vlpe.attention_forms import flex_mods
 from vlpe import Positions
 from vlpe.encodings import build
 from vlpe.encodings.alibi import alibi_slopes
@@ -92,7 +93,7 @@ def test_alibi_flex_score_mod_is_analytic_and_equals_the_dense_bias():
     pos = Positions(coords, prefix=2)
     q, k, _ = _qkv(2, 3, 9, 8)
     ctx = enc.prepare(pos)
-    score_mod, block_mask = enc.flex(q, k, ctx, 0)
+    score_mod, block_mask = flex_mods(enc, q, k, ctx, 0)
     assert block_mask is None
     b = torch.arange(2)[:, None, None, None]
     h = torch.arange(3)[None, :, None, None]

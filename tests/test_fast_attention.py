@@ -7,6 +7,7 @@ import torch
 import vlpe
 import vlpe.attention as attention
 import vlpe.attention_fast as attention_fast
+from vlpe.attention_forms import heads_bias, lattice_table
 from vlpe.encodings import HALF_PLANES, build
 
 # (name, options) of every bias encoding and the variants that change which fast path is taken
@@ -104,7 +105,7 @@ def test_lattice_tables_are_the_dense_bias(name, options):
     pos = vlpe.Positions.grid(5, 6, prefix=2)
     q, k, _ = _qkv(pos, enc.num_heads, batch=1)
     ctx = enc.prepare(pos)
-    lat = enc.lattice_bias(ctx, 1)
+    lat = lattice_table(enc, ctx, 1)
     if name == "lookhere" and options.get("head_directions", "").endswith("center"):
         assert lat is None  # centre heads read the key's absolute position
         return
@@ -126,10 +127,10 @@ def test_lattice_tables_are_the_dense_bias(name, options):
 
 def test_lookhere_half_planes_of_the_default_heads():
     enc = _build("lookhere", {})  # corners (up-left, up-right, down-left, down-right), wedges, unmasked heads
-    lat = enc.lattice_bias(enc.prepare(vlpe.Positions.grid(4, 4)), 0)
+    lat = lattice_table(enc, enc.prepare(vlpe.Positions.grid(4, 4)), 0)
     assert lat.half_planes == ("up", "up", "down", "down", "up", "down", "left", "right") + (None,) * 4
     unmasked = _build("lookhere", {"fill_with": "zero"})  # nothing is masked, nothing may be skipped
-    assert unmasked.lattice_bias(unmasked.prepare(vlpe.Positions.grid(4, 4)), 0).half_planes == (None,) * 12
+    assert lattice_table(unmasked, unmasked.prepare(vlpe.Positions.grid(4, 4)), 0).half_planes == (None,) * 12
 
 
 def test_automatic_choice_keeps_training_on_the_reference_path(monkeypatch):
@@ -268,7 +269,7 @@ def test_widened_qk_fast_path(name):
 
 @pytest.mark.parametrize("name,options", [e for e in BIAS_ENCODINGS if e[0] != "fire"])
 def test_score_heads_is_score_head_by_head(name, options):
-    """``score_heads`` builds exactly ``score``'s values, one head (or a shared head) at a time."""
+    """The registered per-head form builds exactly ``score``'s values, one head (or a shared head) at a time."""
     enc = _build(name, options)
     pos = vlpe.Positions.grid(5, 6, prefix=2)
     q, k, _ = _qkv(pos, enc.num_heads)
@@ -276,7 +277,7 @@ def test_score_heads_is_score_head_by_head(name, options):
     for rows in (slice(0, 1), slice(0, 9), slice(5, 32)):
         qr = q[:, :, rows]
         want = enc.score(qr, k, ctx, 2, rows=rows).expand(2, enc.num_heads, -1, -1)
-        build = enc.score_heads(qr, k, ctx, 2, rows)
+        build = heads_bias(enc, qr, k, ctx, 2, rows)
         got = torch.cat([build(slice(h, h + 1)).expand(2, 1, -1, -1) for h in range(enc.num_heads)], dim=1)
         torch.testing.assert_close(got, want, rtol=0, atol=0)
 
@@ -289,7 +290,7 @@ def test_irpe_lattice_tables_are_the_dense_bias(options):
     pos = vlpe.Positions.grid(5, 6, prefix=2)
     q, k, _ = _qkv(pos, enc.num_heads)
     ctx = enc.prepare(pos)
-    lat = enc.lattice_bias(ctx, 1)
+    lat = lattice_table(enc, ctx, 1)
     if enc.mode == "contextual" and (enc.rpe_on != "k" or enc.method == "cross"):
         assert lat is None  # the query term reads the keys
         return

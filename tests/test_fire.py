@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import vlpe
+from vlpe.attention_forms import flex_mods
 from vlpe import Positions
 from vlpe.encodings import build
 from vlpe.testing import PropertyFailure, check
@@ -169,7 +170,7 @@ def test_flex_score_mod_is_analytic_and_equals_the_dense_bias(distance):
     qi = torch.arange(9)[None, None, :, None]
     ki = torch.arange(9)[None, None, None, :]
     for layer in range(2):
-        score_mod, block_mask = enc.flex(q, k, ctx, layer)
+        score_mod, block_mask = flex_mods(enc, q, k, ctx, layer)
         assert block_mask is None
         got = score_mod(torch.zeros(2, 3, 9, 9), b, h, qi, ki)
         torch.testing.assert_close(got, enc.score(q, k, ctx, layer).expand(2, 3, 9, 9), rtol=0, atol=1e-5)

@@ -9,30 +9,31 @@
 
 Inference fast path of ``sdpa`` (``attend(..., fast=None)``: automatic from :data:`FAST_MIN_TOKENS` tokens on,
 or the encoding's own ``fast_min_tokens``, when no autograd graph is needed; ``fast=True`` forces it,
-``fast=False`` keeps the reference path): one SDPA call per head and query chunk, the chunk's bias at most
-:data:`FAST_BIAS_BYTES`, built just before the call reads it, while it is still in cache, and the keys and
-values of that head stay cached across its chunks.
+``fast=False`` keeps the reference path): SDPA per head over chunks of queries bounded in bytes of bias
+(:data:`FAST_BIAS_BYTES` per call), each chunk's bias built just before the call reads it.
 
-* on lattice positions (``Positions.lattice``; any 2D grid for iRPE, which reads only the grid) an
-  encoding's :meth:`~vlpe.encodings.Encoding.lattice_bias` table gives every chunk's bias as one strided
-  copy of a ``(2h-1, 2w-1)`` table (no arithmetic per pair; iRPE's contextual term one gather of the
-  chunk's per-query bucket values), and the keys outside a head's masked half-plane (LookHere's fields of
-  view) are not computed at all;
-* otherwise :meth:`~vlpe.encodings.Encoding.score_heads` builds the chunk's bias head by head, sharing the
-  per-chunk work (distances, masks, index maps) between heads;
+* on lattice positions (``Positions.lattice``; any 2D grid for iRPE, which reads only the grid) the lattice form
+  registered for the encoding (:mod:`vlpe.attention_forms`) gives every chunk's bias as one strided copy of a
+  ``(2h-1, 2w-1)`` table (no arithmetic per pair; iRPE's contextual term one gather of the chunk's per-query
+  bucket values); on CPU the keys go in pieces combined exactly through their log-sum-exp, so a call holds
+  many query rows, and the keys outside a head's masked half-plane (LookHere's fields of view) are not
+  computed at all;
+* otherwise the registered per-head form builds the chunk's bias head by head, sharing the per-chunk work
+  (distances, masks, index maps) between heads;
 * encodings with neither keep the reference path;
 * widened q/k (``widen``, PaPE) get v padded with zero channels to their width: SDPA's fused CPU kernel needs
   one head width and otherwise falls back to its math kernel, which holds the (B, H, N, N) attention.
 
 Training (and any call needing autograd) always takes the reference path. The fast path equals it to fp32
 rounding (the same bias values; skipped keys have attention weight exactly 0), checked in
-tests/test_fast_attention.py. FlexAttention's compiled CPU forward was measured slower than SDPA here
-(``benchmarks/encoding_cost.py --layer --flex``), so it is not the CPU fast path.
+tests/test_fast_attention.py and, form by form, tests/test_fast_forms_registry.py. FlexAttention's compiled CPU
+forward was measured slower than SDPA here (``benchmarks/encoding_cost.py --layer --flex``), so it is not the
+CPU fast path.
 
 The softmax scale is ``head_dim ** -0.5`` of the q/k *as given*, before any ``widen`` features.
 
-Which hooks run is read from the plan of ``enc.prepare(pos)`` (``ctx.plan[layer]``), never from the class; the
-contract a hand-written block follows is in :mod:`vlpe.encodings.plan`. The fast path lives in
+Which hooks and registered forms run is read from the plan of ``enc.prepare(pos)`` (``ctx.plan[layer]``), never
+from the class; the contract a hand-written block follows is in :mod:`vlpe.encodings.plan`. The fast path lives in
 :mod:`vlpe.attention_fast`, the FlexAttention path (and the dense ``score_mod`` fallback) in
 :mod:`vlpe.attention_flex`.
 """
@@ -45,14 +46,14 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .attention_fast import _combine, fast_attention, fast_blocker
+from .attention_fast import FAST_BIAS_BYTES, _combine, fast_attention, fast_blocker
 from .attention_flex import dense_score_mod, flex_attend
 from .encodings.base import Context, Encoding
 from .positions import Positions
 
 __all__ = [
     "attend", "attention_logits", "Attention", "dense_score_mod", "Backend", "check_qkv", "FAST_MIN_TOKENS",
-    "MAX_BIAS_BYTES",
+    "MAX_BIAS_BYTES", "FAST_BIAS_BYTES",
 ]
 
 Backend = Literal["sdpa", "eager", "flex"]

@@ -1,13 +1,15 @@
 """The inference fast path of :func:`vlpe.attend` (``sdpa`` backend, no autograd): one SDPA call per head and
 query chunk, the chunk's bias at most :data:`FAST_BIAS_BYTES`, built just before the call reads it.
 
-* on lattice positions an encoding's ``lattice_bias`` table (plan piece ``lattice_bias``) gives every chunk's
-  bias as one strided copy of a ``(2h-1, 2w-1)`` table, and keys outside a head's masked half-plane are skipped;
-* otherwise ``score_heads`` (plan piece ``score_heads``) builds the chunk's bias head by head;
+* on lattice positions the lattice form registered for the encoding (:data:`FAST_FORMS`, plan flag
+  ``lattice_bias``) gives every chunk's bias as one strided copy of a ``(2h-1, 2w-1)`` table, and keys outside a
+  head's masked half-plane are skipped;
+* otherwise the registered per-head form (plan flag ``score_heads``) builds the chunk's bias head by head;
 * encodings with neither keep the reference path (these functions return None).
 
-Which pieces exist is read from the plan (:class:`vlpe.encodings.plan.LayerPlan`), never from the class.
-Checked against the reference path in tests/test_fast_attention.py.
+The forms live in :mod:`vlpe.attention_forms` (registered per encoding class, never found on the encoding); which
+exist is read from the plan (:class:`vlpe.encodings.plan.LayerPlan`). Checked against the reference path in
+tests/test_fast_attention.py and tests/test_fast_forms_registry.py.
 """
 
 from __future__ import annotations
@@ -16,11 +18,13 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from . import attention_forms  # noqa: F401  (registers every encoding's forms)
+from .attention_forms.registry import FAST_FORMS, FastForm, fast_form, heads_bias, lattice_table
 from .encodings.base import Encoding, LatticeBias
 from .encodings.plan import LayerPlan
 from .positions import Positions
 
-__all__ = ["FAST_BIAS_BYTES", "fast_blocker", "fast_attention"]
+__all__ = ["FAST_BIAS_BYTES", "FAST_FORMS", "FastForm", "fast_blocker", "fast_attention", "fast_form"]
 
 #: Largest bias (bytes) of one head and query chunk on the fast path: small enough to stay in cache.
 FAST_BIAS_BYTES = 4 * 2**20
@@ -76,7 +80,7 @@ def fast_attention(q, k, v, enc, ctx, step: LayerPlan, layer, scale, pad) -> Ten
         return None if out is None else out[..., :Dv]
     pos = ctx.pos
     if step.lattice_bias and pad is None and pos.grid is not None and len(pos.grid) == 2:
-        lat = enc.lattice_bias(ctx, layer)  # the encoding checks pos.lattice if it must (None: not these positions)
+        lat = lattice_table(enc, ctx, layer)  # the form checks pos.lattice if it must (None: not these positions)
         if lat is not None:
             return _lattice_attention(q, k, v, lat, pos, scale)
     if not step.score_heads:
@@ -85,10 +89,10 @@ def fast_attention(q, k, v, enc, ctx, step: LayerPlan, layer, scale, pad) -> Ten
 
 
 def _head_attention(q, k, v, enc, ctx, layer, scale, pad) -> Tensor | None:
-    """SDPA per query chunk and head with the bias of :meth:`Encoding.score_heads`; None when not offered.
+    """SDPA per query chunk and head with the bias of the registered per-head form; None when not offered.
 
     Query chunks hold at most :data:`FAST_BIAS_BYTES` of one head's bias; each chunk's shared work is done once
-    by ``score_heads``, then each head's bias is built and read at once.
+    by the form, then each head's bias is built and read at once.
     """
     B, H, N, _ = q.shape
     n_k = k.shape[-2]
@@ -97,7 +101,7 @@ def _head_attention(q, k, v, enc, ctx, layer, scale, pad) -> Tensor | None:
     for start in range(0, N, step):
         rows = slice(start, min(start + step, N))
         qr = q[:, :, rows]  # (B, H, n, D)
-        build = enc.score_heads(qr, k, ctx, layer, rows)
+        build = heads_bias(enc, qr, k, ctx, layer, rows)
         if build is None:
             return None  # first chunk: the encoding offers no per-head bias
         if out is None:

@@ -1,8 +1,10 @@
 """The FlexAttention path of :func:`vlpe.attend` and the dense fallback of a flex ``score_mod``.
 
-An encoding whose plan has the ``flex`` piece gives an analytic ``(score_mod, block_mask)``; one with a
-``score`` but no ``flex`` piece gets :func:`dense_score_mod`, which reads its dense ``score`` (fine for small N).
-This lives on the attention side: encodings never import attention code.
+An encoding whose plan has the ``flex`` form (registered per class in :data:`FLEX_FORMS`,
+:mod:`vlpe.attention_forms`) gets its analytic ``(score_mod, block_mask)``; one with a ``score`` but no ``flex``
+form gets :func:`dense_score_mod`, which reads its dense ``score`` (fine for small N). This lives on the attention
+side: encodings never import attention code. Checked against the reference path in
+tests/test_fast_forms_registry.py, tests/test_lookhere.py, tests/test_fire.py and tests/test_baselines.py.
 """
 
 from __future__ import annotations
@@ -10,10 +12,12 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from . import attention_forms  # noqa: F401  (registers every encoding's forms)
+from .attention_forms.registry import FLEX_FORMS, flex_form, flex_mods
 from .encodings.base import Context, Encoding
 from .encodings.plan import LayerPlan
 
-__all__ = ["dense_score_mod", "flex_attend"]
+__all__ = ["FLEX_FORMS", "dense_score_mod", "flex_attend", "flex_form", "flex_mods"]
 
 
 def dense_score_mod(enc: Encoding, q: Tensor, k: Tensor, ctx: Context, layer: int):
@@ -47,7 +51,7 @@ def flex_attend(q, k, v, enc, ctx, step: LayerPlan | None, layer, scale, static,
     block_mask = None
     if enc is not None and step.score:
         if step.flex:
-            sm, block_mask = enc.flex(q, k, ctx, layer)
+            sm, block_mask = flex_mods(enc, q, k, ctx, layer)
         else:
             sm = dense_score_mod(enc, q, k, ctx, layer)
         if sm is not None:

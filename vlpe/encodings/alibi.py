@@ -7,9 +7,8 @@ import math
 import torch
 from torch import Tensor
 
-from .base import Context, Encoding, LatticeBias
+from .base import Context, Encoding
 from .spec import EncodingSpec
-from .functional.bias import lattice_offsets
 from .registry import register
 
 __all__ = ["ALiBi", "alibi_slopes", "pairwise_distance"]
@@ -58,15 +57,15 @@ class ALiBi(Encoding):
 
     Prefix tokens are unpenalised: rows and columns of prefix tokens get zero bias (PaPE instead puts CLS at
     position 0 and penalises it like a patch). Distances are fp32 under autocast. ``score`` builds only the
-    requested query rows from the coordinates; ``flex`` returns an analytic ``score_mod`` computing the
-    distance from captured ``(B, N)`` coordinate columns, so nothing N x N is stored. ``neutralize()`` sets
+    requested query rows from the coordinates (its faster forms, a lattice table and an analytic flex
+    ``score_mod``, are registered in :mod:`vlpe.attention_forms.alibi`). ``neutralize()`` sets
     the slopes to 0. Checked against slopes and biases computed by hand from the definition.
     """
 
     keep_fp32 = True  # exact fp32 parameters/buffers through downcasts (see Encoding.keep_fp32)
 
     claims = frozenset({"relative", "extrapolation", "rotation_invariant", "neutral", "fp32_angles"})
-    pieces = frozenset({"score", "score_heads", "lattice_bias", "flex"})
+    pieces = frozenset({"score"})
     resampling = "coords"
 
     def __init__(self, *, spec: EncodingSpec) -> None:
@@ -90,39 +89,6 @@ class ALiBi(Encoding):
     def score(self, q: Tensor, k: Tensor, ctx: Context, layer: int, rows: slice | None = None) -> Tensor:
         dist = self._distance(ctx, slice(None) if rows is None else rows)
         return -self.slopes.to(dist.dtype)[None, :, None, None] * dist[:, None]  # (B, H, n, N)
-
-    def score_heads(self, q: Tensor, k: Tensor, ctx: Context, layer: int, rows: slice):
-        dist = self._distance(ctx, rows)[:, None]  # (B, 1, n, N), shared by the heads
-        slopes = -self.slopes.to(dist.dtype)[None, :, None, None]  # (1, H, 1, 1)
-        return lambda heads: slopes[:, heads] * dist  # (B, h, n, N), as score
-
-    def lattice_bias(self, ctx: Context, layer: int) -> LatticeBias | None:
-        if not ctx.pos.lattice or ctx.pos.grid is None or len(ctx.pos.grid) != 2:
-            return None
-        h, w = ctx.pos.grid
-        offsets = lattice_offsets(h, w, ctx.pos.device).to(ctx["coords"].dtype)  # keys seen from the origin
-        dist = pairwise_distance(offsets.new_zeros(1, 1, 2), offsets)  # (1, 1, M): the same code as score
-        table = -self.slopes.to(dist.dtype)[:, None] * dist[0]  # (H, M)
-        return LatticeBias(table.reshape(self.num_heads, 2 * h - 1, 2 * w - 1), (None,) * self.num_heads)
-
-    def flex(self, q: Tensor, k: Tensor, ctx: Context, layer: int):
-        coords = ctx["coords"]
-        B = q.shape[0]
-        cols = [coords[..., a].expand(B, -1).contiguous() for a in range(coords.shape[-1])]  # A x (B, N)
-        slopes = self.slopes.to(coords.dtype)
-        prefix = ctx.pos.prefix
-
-        def score_mod(score, b, h, q_idx, kv_idx):
-            d2 = None
-            for c in cols:
-                diff = c[b, q_idx] - c[b, kv_idx]
-                d2 = diff * diff if d2 is None else d2 + diff * diff
-            bias = -slopes[h] * torch.sqrt(d2)
-            if prefix:
-                bias = torch.where((q_idx < prefix) | (kv_idx < prefix), torch.zeros_like(bias), bias)
-            return score + bias.to(score.dtype)
-
-        return score_mod, None
 
     def neutralize(self) -> ALiBi:
         self.slopes.zero_()

@@ -17,18 +17,15 @@ features
 bias/mask for the query ``rows``
 ``values(attn, ctx, layer)`` extra output    irpe on values                                  None
 term from attention probabilities
-``flex(q, k, ctx, layer)`` -> (score_mod,    bias encodings on the flex backend             dense-bias mod
-block_mask)
-``score_heads(q, k, ctx, layer, rows)`` ->   alibi, lookhere, irpe, pype mask                None
-per-head bias builder (inference fast path)
-``lattice_bias(ctx, layer)`` -> offset       alibi, lookhere, fire, irpe                     None
-table (inference fast path on lattices)
 ===========================================  ==============================================  =================
 
 Which hooks an encoding has is data, not introspection: the class declares ``pieces`` (an instance may
 narrow them, e.g. iRPE without a values term), and :meth:`Encoding.prepare` returns a :class:`Context` whose
 ``plan`` (:class:`vlpe.encodings.plan.Plan`) says per layer which pieces exist. Attention consults the plan
 only. The whole contract (order, softmax scale, key padding, shapes) is in :mod:`vlpe.encodings.plan`.
+Faster forms of a ``score`` (lattice tables, per-head builders, FlexAttention ``score_mod`` / ``block_mask``) are
+not hooks: the attention registers them per encoding class (:mod:`vlpe.attention_forms`), and the plan marks the
+layers that have them.
 
 Build-time facts (width, heads, depth, axes, training grid, KV heads) arrive as one
 :class:`vlpe.encodings.spec.EncodingSpec` (``cls(spec=spec, **options)``, see :func:`vlpe.encodings.build`).
@@ -44,7 +41,7 @@ import torch
 from torch import Tensor, nn
 
 from ..positions import Positions
-from .plan import PIECES, Plan
+from .plan import PIECES, Plan, forms_of
 from .spec import EncodingSpec
 
 __all__ = [
@@ -309,7 +306,7 @@ class Encoding(nn.Module):
             )
         ctx = Context(pos, training=self.training, owner=self)
         self._prepare(ctx)
-        ctx.plan = self._plan(ctx)
+        ctx.plan = self._plan(ctx).with_forms(forms_of(self))  # forms: registered by the attention backends
         return ctx
 
     def _prepare(self, ctx: Context) -> None:
@@ -337,33 +334,6 @@ class Encoding(nn.Module):
         return None
 
     def values(self, attn: Tensor, ctx: Context, layer: int, rows: slice | None = None) -> Tensor | None:
-        return None
-
-    def flex(self, q: Tensor, k: Tensor, ctx: Context, layer: int) -> tuple[Callable | None, Any]:
-        """``(score_mod, block_mask)`` for FlexAttention given the (rotated) q/k, for encodings whose pieces
-        include ``flex`` (an analytic ``score_mod`` and a ``block_mask``, so nothing N x N is held). Without
-        that piece the attention reads the dense ``score`` instead (:mod:`vlpe.attention_flex`)."""
-        return None, None
-
-    def score_heads(
-        self, q: Tensor, k: Tensor, ctx: Context, layer: int, rows: slice
-    ) -> Callable[[slice], Tensor | None] | None:
-        """The bias of the query ``rows`` head by head, for the inference fast path (override; None: unsupported).
-
-        ``q`` holds the query ``rows`` of every head, ``k`` every key. Returns ``bias(heads)`` giving the
-        ``(B', h, n, N)`` bias of the heads ``heads`` (a step-1 slice; a head dimension of 1 may be shared by
-        all heads asked for), equal to ``score(q, k, ctx, layer, rows=rows)[:, heads]``. Work shared by all
-        heads (distances, masks, index maps) is done once per call, so the attention can build one head's
-        bias at a time and keep it small.
-        """
-        return None
-
-    def lattice_bias(self, ctx: Context, layer: int) -> LatticeBias | None:
-        """The bias as an offset table when ``ctx.pos.lattice`` (override; None: unsupported).
-
-        Only for biases that depend on the grid offset alone (and on the query, through ``values``), with one
-        bias for every pair involving a prefix token (see :class:`LatticeBias`).
-        """
         return None
 
     def neutralize(self) -> "Encoding":
@@ -397,10 +367,7 @@ class Encoding(nn.Module):
 
 
 #: hook -> index of its ``ctx`` argument (after ``self``)
-_CTX_ARG = {
-    "embed": 1, "mix": 1, "values": 1, "rotate": 2, "widen": 2, "score": 2, "flex": 2, "score_heads": 2,
-    "lattice_bias": 0,
-}  # fmt: skip
+_CTX_ARG = {"embed": 1, "mix": 1, "values": 1, "rotate": 2, "widen": 2, "score": 2}
 
 
 def _checking_ctx(fn: Callable, hook: str, at: int) -> Callable:

@@ -15,9 +15,8 @@ import torch
 from torch import Tensor, nn
 
 from .alibi import pairwise_distance
-from .base import Context, Encoding, LatticeBias
+from .base import Context, Encoding
 from .spec import EncodingSpec
-from .functional.bias import lattice_offsets
 from .registry import register
 
 __all__ = ["FIRE", "patch_bounds"]
@@ -70,8 +69,9 @@ class FIRE(Encoding):
 
     Each layer has its own ``c``, ``l`` and MLP (the paper's module per attention layer). The MLP weights are
     the module's own fp32 parameters (``keep_fp32``), and offsets, ``psi`` and the MLP run in fp32 with
-    autocast off. ``score`` builds only the requested query rows; ``flex`` returns an analytic ``score_mod``
-    computing the MLP from captured ``(B, N)`` coordinate columns, so nothing N x N is stored.
+    autocast off. ``score`` builds only the requested query rows; its faster forms (a lattice table of the
+    grid offsets, an analytic flex ``score_mod`` computing the MLP from captured ``(B, N)`` coordinate columns,
+    so nothing N x N is stored) are registered in :mod:`vlpe.attention_forms.fire`.
     ``neutralize()`` zeroes the output layer. Checked against a slow explicit per-pair loop in
     tests/test_fire.py.
     """
@@ -82,7 +82,7 @@ class FIRE(Encoding):
     fast_min_tokens = 196
 
     claims = frozenset({"relative", "neutral", "fp32_angles"})
-    pieces = frozenset({"score", "lattice_bias", "flex"})
+    pieces = frozenset({"score"})
 
     def __init__(
         self,
@@ -189,54 +189,6 @@ class FIRE(Encoding):
         out = self._pair_bias(coords[:, rows], coords, ctx, layer)  # (B, n, N, H)
         out = out * (patch[rows, None] * patch[None, :])[..., None]  # prefix rows / columns: zero
         return out.permute(0, 3, 1, 2)  # (B, H, n, N)
-
-    def lattice_bias(self, ctx: Context, layer: int) -> LatticeBias | None:
-        """The offset table of lattice positions: the MLP of :meth:`score` at every grid offset (keys at
-        the offsets seen from a query at the origin), ``(2h-1)(2w-1)`` evaluations instead of ``N^2``."""
-        self.check_layer(layer)
-        pos = ctx.pos
-        if not pos.lattice or pos.grid is None or len(pos.grid) != 2:
-            return None
-        h, w = pos.grid
-        keys = lattice_offsets(h, w, pos.device).to(ctx["coords"].dtype)  # (1, M, 2)
-        table = self._pair_bias(keys.new_zeros(1, 1, 2), keys, ctx, layer)[0, 0]  # (M, H)
-        return LatticeBias(table.T.reshape(self.num_heads, 2 * h - 1, 2 * w - 1), (None,) * self.num_heads)
-
-    def flex(self, q: Tensor, k: Tensor, ctx: Context, layer: int):
-        self.check_layer(layer)
-        coords = ctx["coords"]
-        B = q.shape[0]
-        dt = coords.dtype
-        cols = [coords[..., a].expand(B, -1).contiguous() for a in range(coords.shape[-1])]  # A x (B, N)
-        den = self._denominator(ctx, layer, dt).expand(B, self.num_inputs).contiguous()  # (B, F)
-        c = self.c[layer].abs().to(dt)
-        w1, b1 = self.w1[layer].to(dt), self.b1[layer].to(dt)  # (hidden, F), (hidden,)
-        w2t, b2 = self.w2[layer].to(dt).T.contiguous(), self.b2[layer].to(dt)  # (hidden, H), (H,)
-        prefix, euclid, F, hidden = ctx.pos.prefix, self.distance == "euclidean", self.num_inputs, self.hidden
-        if q.device.type == "cpu" or not torch.is_grad_enabled():
-            # CPU FlexAttention has no backward, and it cannot compile captured tensors that require grad
-            den, c, w1, b1, w2t, b2 = (t.detach() for t in (den, c, w1, b1, w2t, b2))
-
-        def score_mod(score, b, h, q_idx, kv_idx):
-            diffs = [col[b, q_idx] - col[b, kv_idx] for col in cols]
-            if euclid:
-                d2 = diffs[0] * diffs[0]
-                for d in diffs[1:]:
-                    d2 = d2 + d * d
-                xs = [torch.log1p(c * torch.sqrt(d2)) / den[b, 0]]
-            else:
-                xs = [torch.sign(d) * torch.log1p(c * d.abs()) / den[b, f] for f, d in enumerate(diffs)]
-            bias = b2[h]
-            for u in range(hidden):  # the MLP, one hidden unit at a time (pointwise ops only)
-                pre = b1[u]
-                for f in range(F):
-                    pre = pre + w1[u, f] * xs[f]
-                bias = bias + w2t[u][h] * torch.relu(pre)
-            if prefix:
-                bias = torch.where((q_idx < prefix) | (kv_idx < prefix), torch.zeros_like(bias), bias)
-            return score + bias.to(score.dtype)
-
-        return score_mod, None
 
     def neutralize(self) -> FIRE:
         self.w2.zero_()

@@ -7,7 +7,7 @@ from typing import Literal
 import torch
 from torch import Tensor, nn
 
-from .base import Context, Encoding, LatticeBias
+from .base import Context, Encoding
 from .spec import EncodingSpec
 from .functional.bias import (
     IRPE_METHODS,
@@ -99,13 +99,11 @@ class IRPE(Encoding):
 
     @property
     def pieces(self) -> frozenset[str]:
-        """From ``rpe_on``: a bias (and its per-head form) with ``q``/``k``, the offset table where
-        :meth:`lattice_bias` has one, a values term only with ``v`` (without it the attention keeps SDPA)."""
+        """From ``rpe_on``: a bias with ``q``/``k`` (its faster forms are registered in
+        :mod:`vlpe.attention_forms.irpe`), a values term only with ``v`` (without it the attention keeps SDPA)."""
         out = set()
         if "q" in self.rpe_on or "k" in self.rpe_on:
-            out |= {"score", "score_heads"}
-            if self.mode == "bias" or (self.rpe_on == "k" and self.parts == 1):
-                out.add("lattice_bias")
+            out.add("score")
         if "v" in self.rpe_on:
             out.add("values")
         return frozenset(out)
@@ -144,39 +142,6 @@ class IRPE(Encoding):
             self._cache[key] = irpe_offset_buckets(self.method, h, w, self.alpha, self.beta, self.gamma).to(device)
         return self._cache[key]
 
-    def lattice_bias(self, ctx: Context, layer: int) -> LatticeBias | None:
-        """The offset table of the grid (buckets depend on grid offsets only, so any grid qualifies): bias mode
-        as float tables (the learned scalar of each offset's bucket, both sides and parts summed as in
-        :meth:`score`); the contextual key term as the bucket table with ``values`` = ``q @ table_k`` (one
-        part: not ``cross``); the contextual query term reads the keys and is not offered."""
-        self.check_layer(layer)
-        pos = ctx.pos
-        contextual = self.mode == "contextual"
-        if contextual and (self.rpe_on != "k" or self.parts != 1):
-            return None
-        h, w = pos.grid
-        T = self.offset_buckets(h, w, pos.device)  # (P, 2h-1, 2w-1) query-minus-key
-        keys_side = T.flip(-2, -1)  # I(i, j) at key-minus-query offsets
-        planes = (None,) * self.num_heads
-        if contextual:
-            table_k, scale = self.table_k[layer], self.head_dim**-0.5  # (H', Dh, K)
-
-            def values(q: Tensor, head: int) -> Tensor:  # (B, m, Dh) -> (B, m, K), as score's q @ table
-                return (q * scale) @ table_k[head if table_k.shape[0] > 1 else 0].to(q.dtype)
-
-            return LatticeBias(keys_side, planes, values=values, prefix_bucket=self.grid_buckets)
-        table, prefix = None, None
-        for side, buckets in (("k", keys_side), ("q", T)):  # I(j, i) of the query side: the reversed offset
-            if side not in self.rpe_on:
-                continue
-            r = getattr(self, f"table_{side}")[layer]  # (H', P*K)
-            for part in range(self.parts):
-                off = part * self.num_buckets
-                term, pre = r[:, buckets[part] + off], r[:, self.grid_buckets + off]  # (H', 2h-1, 2w-1), (H',)
-                table = term if table is None else table + term
-                prefix = pre if prefix is None else prefix + pre
-        return LatticeBias(table, planes, prefix_bias=prefix)
-
     def _prepare(self, ctx: Context) -> None:
         h, w = ctx.pos.grid
         ctx["ids"] = self.bucket_ids(h, w, ctx.pos.prefix, ctx.pos.device)  # (P, N, N)
@@ -199,13 +164,14 @@ class IRPE(Encoding):
     def score(self, q: Tensor, k: Tensor, ctx: Context, layer: int, rows: slice | None = None) -> Tensor | None:
         """``e_ij += q_i . r[I(i, j)] / sqrt(d)`` (keys) and ``k_j . r[I(j, i)] / sqrt(d)`` (queries), or the
         learned scalars of the buckets (bias mode): ``(B, H, n, N)`` (``(1, 1, n, N)`` for a shared bias table)."""
-        build = self.score_heads(q, k, ctx, layer, slice(None) if rows is None else rows)
+        build = self._bias_of_heads(q, k, ctx, layer, slice(None) if rows is None else rows)
         return None if build is None else build(slice(None))
 
-    def score_heads(self, q: Tensor, k: Tensor, ctx: Context, layer: int, rows: slice):
-        """Per-head bias of the query ``rows`` (the terms of :meth:`score`, which is all heads of it): the int64
-        bucket indices and the ``q @ table`` products once per call, then one gather per head. Bias mode with a
-        shared table gives one bias for every head."""
+    def _bias_of_heads(self, q: Tensor, k: Tensor, ctx: Context, layer: int, rows: slice):
+        """``bias(heads)``: the bias of the query ``rows`` for a step-1 slice of heads (:meth:`score` is all heads of
+        it; the attention's per-head form calls it head by head): the int64 bucket indices and the ``q @ table``
+        products once per call, then one gather per head. Bias mode with a shared table gives one bias for every
+        head."""
         self.check_layer(layer)
         if "q" not in self.rpe_on and "k" not in self.rpe_on:
             return None

@@ -7,11 +7,10 @@ from typing import ClassVar, Literal, Sequence
 import torch
 from torch import Tensor
 
-from .base import Context, Encoding, LatticeBias
+from .base import Context, Encoding
 from .spec import EncodingSpec
-from .functional.bias import lattice_offsets
 from .functional.lookhere import DIRECTION_GROUPS, default_directions, head_bias, head_layout
-from .functional.lookhere import _HALF_PLANES, _MASKED, _PRIMITIVES, _default_head_slopes, _half_plane
+from .functional.lookhere import _HALF_PLANES, _MASKED, _PRIMITIVES, _default_head_slopes
 from .registry import register, register_preset
 
 __all__ = ["LookHere", "DIRECTION_GROUPS", "default_directions", "head_layout"]
@@ -38,15 +37,16 @@ class LookHere(Encoding):
 
     Unlike the reference, which stores ``depth x heads x N x N`` bias maps, the bias is computed per layer
     and per query chunk from the coordinates (``score`` honours ``rows``); the per-forward context holds only
-    ``(B, N)`` coordinate tables. ``flex`` returns an analytic ``score_mod`` and a ``block_mask`` of the
-    fields of view. Distances are fp32. Presets: ``lh180``, ``lh90`` (the reference's released LH-90 config),
+    ``(B, N)`` coordinate tables. Its faster forms (a lattice table, a per-head builder, an analytic flex
+    ``score_mod`` and a ``block_mask`` of the fields of view) are registered in :mod:`vlpe.attention_forms.lookhere`.
+    Distances are fp32. Presets: ``lh180``, ``lh90`` (the reference's released LH-90 config),
     ``lh45``.
     """
 
     keep_fp32 = True  # exact fp32 parameters/buffers through downcasts (see Encoding.keep_fp32)
 
     claims = frozenset({"relative", "extrapolation", "fp32_angles"})
-    pieces = frozenset({"score", "score_heads", "lattice_bias", "flex"})
+    pieces = frozenset({"score"})
     supported_axes = (2,)
     #: the example (property kit, demo, benchmarks) has 4 heads: one 4-head group (also for the 12-head presets)
     example: ClassVar[dict] = {"head_directions": "corners"}
@@ -164,44 +164,6 @@ class LookHere(Encoding):
             self._clear_prefix(out, ctx.pos.prefix, rows, out.shape[-2])
         return out
 
-    def score_heads(self, q: Tensor, k: Tensor, ctx: Context, layer: int, rows: slice):
-        """Per-head bias of the query ``rows``: the distance and half-plane masks once, then each head as in
-        :meth:`score` (the same operations, so the same values)."""
-        with torch.autocast(q.device.type, enabled=False):
-            pairs = self._pairs(ctx, rows, layer)
-
-        def bias(heads: slice) -> Tensor:
-            B, n, N = pairs.dist.shape
-            chosen = range(self.num_heads)[heads]
-            with torch.autocast(q.device.type, enabled=False):
-                out = pairs.dist.new_empty(B, len(chosen), n, N)  # (B, h, n, N)
-                for i, h in enumerate(chosen):
-                    pairs.fill(h, out[:, i])
-                self._clear_prefix(out, ctx.pos.prefix, rows, n)
-            return out
-
-        return bias
-
-    def lattice_bias(self, ctx: Context, layer: int) -> LatticeBias | None:
-        """The offset table of lattice positions (not with "center" heads, whose bias reads the key's absolute
-        position): the bias of keys at every offset seen from a query at the origin, by the code of
-        :meth:`score`. With ``fill_with='inf'`` every head whose field of view lies in an axis half-plane
-        (quadrants, wedges, halves) lets the attention skip the keys outside it."""
-        pos = ctx.pos
-        if self.has_center or not pos.lattice or pos.grid is None or len(pos.grid) != 2:
-            return None
-        h, w = pos.grid
-        with torch.autocast(pos.device.type, enabled=False):
-            off = lattice_offsets(h, w, pos.device).to(ctx["proj"].dtype)  # (1, M, 2): (dy, dx)
-            y, x = off[..., 0], off[..., 1]  # (1, M)
-            keys = torch.stack([x, y, x + y, x - y])  # (4, 1, M)
-            pairs = _Pairs(self, keys.new_zeros(4, 1, 1), keys, layer, ctx)
-            table = pairs.dist.new_empty(self.num_heads, 1, keys.shape[-1])  # (H, 1, M)
-            for head in range(self.num_heads):
-                pairs.fill(head, table[head : head + 1])
-        planes = tuple(_half_plane(bits) if self.fill_with == "inf" else None for bits in self._required)
-        return LatticeBias(table.reshape(self.num_heads, 2 * h - 1, 2 * w - 1), planes)
-
     def _pairs(self, ctx: Context, rows: slice, layer: int) -> "_Pairs":
         proj = ctx["proj"]  # (4, B, N)
         return _Pairs(self, proj[:, :, rows], proj, layer, ctx)
@@ -216,58 +178,6 @@ class LookHere(Encoding):
         if start < prefix:
             bias[..., : min(prefix - start, n), :] = 0.0
 
-    # ------------------------------------------------------------------ flex path
-    def flex(self, q: Tensor, k: Tensor, ctx: Context, layer: int):
-        """Analytic ``score_mod`` (distance penalty from the captured ``(B, N)`` coordinates) and, for
-        ``fill_with='inf'``, a ``block_mask`` of the fields of view; nothing N x N is kept."""
-        from torch.nn.attention.flex_attention import create_block_mask
-
-        proj = ctx["proj"]  # (4, B, N): x, y, x + y, x - y
-        x, y = proj[0], proj[1]
-        per_sample = proj.shape[1] > 1
-        slopes = -self.slopes(layer).to(proj.dtype)  # (H,)
-        bits = torch.tensor(list(_HALF_PLANES), dtype=torch.uint8, device=proj.device)
-        req = (self.required[:, None] & bits) != 0  # (H, 8) which half-planes each head needs
-        is_center = self.is_center
-        centre = ctx["centre_dist"] if self.has_center else None
-        fill = ctx["max_dist"] if self.fill_with == "max" else None
-        prefix, mode, distance = ctx.pos.prefix, self.fill_with, self.distance
-
-        def dist(d2):  # out of place: traced by torch.compile
-            return d2 if distance == "square" else d2.sqrt() if distance == "linear" else d2.sqrt().sqrt()
-
-        def offsets(b, q_idx, kv_idx):
-            bb = b if per_sample else 0
-            return x[bb, kv_idx] - x[bb, q_idx], y[bb, kv_idx] - y[bb, q_idx]
-
-        def visible(b, h, q_idx, kv_idx):
-            bb = b if per_sample else 0
-            seen = (q_idx < prefix) | (kv_idx < prefix)
-            inside = None
-            for c, (form, positive) in enumerate(_HALF_PLANES.values()):
-                pk, pq = proj[form, bb, kv_idx], proj[form, bb, q_idx]
-                ok = (pk >= pq if positive else pk <= pq) | ~req[h, c]
-                inside = ok if inside is None else inside & ok
-            return seen | inside
-
-        def score_mod(score, b, h, q_idx, kv_idx):
-            dx, dy = offsets(b, q_idx, kv_idx)
-            d = dist(dx * dx + dy * dy)
-            if centre is not None:
-                d = torch.where(is_center[h], centre[b if per_sample else 0, kv_idx], d)
-            # fill 'inf': the block_mask drops hidden keys, so the formula sees visible keys only
-            hidden = None if mode == "inf" else ~visible(b, h, q_idx, kv_idx)
-            bias = head_bias(d, slopes[h], hidden, mode, fill[b if per_sample else 0] if mode == "max" else None)
-            if prefix:
-                bias = torch.where((q_idx < prefix) | (kv_idx < prefix), torch.zeros_like(bias), bias)
-            return score + bias.to(score.dtype)
-
-        if mode != "inf":
-            return score_mod, None
-        B = q.shape[0] if per_sample else None
-        block_mask = create_block_mask(visible, B, q.shape[1], q.shape[-2], k.shape[-2], device=q.device)
-        return score_mod, block_mask
-
     def extra_repr(self) -> str:
         return (
             f"{super().extra_repr()}, head_directions={self.head_directions!r}, global_slope={self.global_slope}, "
@@ -280,8 +190,9 @@ class _Pairs:
 
     ``proj_q`` (4, B, n) and ``proj_k`` (4, B, N) hold ``x, y, x + y, x - y`` of the queries and keys (the
     query rows of ``ctx["proj"]`` and all of it in :meth:`LookHere.score`; a query at the origin and keys at
-    every grid offset for :meth:`LookHere.lattice_bias`). The distance is computed once; the half-plane masks
-    once each, on first use; the field-of-view mask and its fill of the most recent head group are kept.
+    every grid offset for the lattice table of :mod:`vlpe.attention_forms.lookhere`). The distance is computed
+    once; the half-plane masks once each, on first use; the field-of-view mask and its fill of the most recent
+    head group are kept.
     """
 
     def __init__(self, enc: "LookHere", proj_q: Tensor, proj_k: Tensor, layer: int, ctx: Context) -> None:

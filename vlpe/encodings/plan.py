@@ -34,29 +34,50 @@ Rules:
   LookHere) where attention is forbidden; a bias is ``(B or 1, H or 1, n, N)`` for the ``n`` query rows asked
   for (``rows``: a step-1 slice of query indices, None for all; ``q`` then holds those rows only).
 * ``values`` gets the softmax probabilities of the ``rows`` ``(B, H, n, N)`` and returns ``(B, H, n, Dv)``.
-* Optional forms of the same bias (never needed for correctness, they only make it cheaper):
-  ``flex``: ``enc.flex(q, k, ctx, layer) -> (score_mod, block_mask)`` for FlexAttention (without it, a
-  ``score_mod`` reading the dense ``score`` is used); ``score_heads``: ``enc.score_heads(q, k, ctx, layer,
-  rows) -> bias(heads)`` head by head; ``lattice_bias``: ``enc.lattice_bias(ctx, layer)`` an offset table
-  (:class:`vlpe.encodings.LatticeBias`). These two may still return None for positions they do not cover.
+* Faster forms of the same bias (never needed for correctness, they only make it cheaper) are not part of
+  this contract: the attention backends register them per encoding class (:mod:`vlpe.attention_forms`: a
+  lattice offset table and a per-head builder for the inference fast path, an analytic FlexAttention
+  ``score_mod`` / ``block_mask``), and the plan says which exist (``step.lattice_bias``, ``step.score_heads``,
+  ``step.flex``; only on layers with ``score``) from that registry, given here by :func:`register_forms`.
 * Causal or extra masks are the caller's: add them to the logits like the key padding.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
-from typing import Iterable
+from dataclasses import dataclass, fields, replace
+from typing import Callable, Iterable
 
-__all__ = ["LayerPlan", "Plan", "PIECES", "LAYER_PIECES"]
+__all__ = ["LayerPlan", "Plan", "PIECES", "LAYER_PIECES", "FORMS", "forms_of", "register_forms"]
 
-#: every piece an encoding may have; ``embed`` is per forward, the others per layer
-LAYER_PIECES = ("rotate", "widen", "score", "flex", "values", "score_heads", "lattice_bias", "mix")
+#: every piece of the contract an encoding may have; ``embed`` is per forward, the others per layer
+LAYER_PIECES = ("rotate", "widen", "score", "values", "mix")
 PIECES = ("embed",) + LAYER_PIECES
+#: the faster forms of a ``score`` the attention backends may register for an encoding class (not declared by it)
+FORMS = ("flex", "score_heads", "lattice_bias")
+
+_FORM_SOURCES: list[Callable[[object], frozenset[str]]] = []
+
+
+def register_forms(source: Callable[[object], frozenset[str]]) -> None:
+    """Give the plan a ``source(enc) -> frozenset`` of the :data:`FORMS` registered for ``enc``
+    (:func:`vlpe.attention_forms.registry.forms_of`, whose registries live on the attention side: encodings never
+    import attention code)."""
+    if source not in _FORM_SOURCES:
+        _FORM_SOURCES.append(source)
+
+
+def forms_of(enc: object) -> frozenset[str]:
+    """The :data:`FORMS` registered for ``enc`` (empty until an attention backend registers its source)."""
+    out: frozenset[str] = frozenset()
+    for source in _FORM_SOURCES:
+        out = out | source(enc)
+    return out
 
 
 @dataclass(frozen=True)
 class LayerPlan:
-    """Which pieces of one layer exist (True: call the hook of that name; False: skip it)."""
+    """Which pieces of one layer exist (True: call the hook of that name; False: skip it), and which registered
+    faster forms of its ``score`` the attention may use (``flex``, ``score_heads``, ``lattice_bias``)."""
 
     rotate: bool = False
     widen: bool = False
@@ -68,16 +89,33 @@ class LayerPlan:
     mix: bool = False
 
     @classmethod
-    def of(cls, pieces: Iterable[str]) -> "LayerPlan":
-        pieces = set(pieces)
+    def of(cls, pieces: Iterable[str], forms: Iterable[str] = ()) -> "LayerPlan":
+        """The layer of ``pieces`` (of :data:`PIECES`) with the ``forms`` (of :data:`FORMS`) of its ``score``."""
+        pieces, forms = set(pieces), set(forms)
         unknown = pieces - set(PIECES)
         if unknown:
-            raise ValueError(f"unknown encoding pieces {sorted(unknown)}; pieces are {PIECES}")
-        return cls(**{p: True for p in pieces if p != "embed"})
+            raise ValueError(f"unknown encoding pieces {sorted(unknown)}; pieces are {PIECES} (faster forms of a "
+                             f"score, {FORMS}, are registered by the attention: vlpe.attention_forms)")
+        unknown = forms - set(FORMS)
+        if unknown:
+            raise ValueError(f"unknown forms {sorted(unknown)}; forms are {FORMS}")
+        on = {p: True for p in pieces if p != "embed"}
+        return cls(**on, **{f: "score" in pieces for f in forms})
+
+    def with_forms(self, forms: Iterable[str]) -> "LayerPlan":
+        """This layer with exactly the registered ``forms`` of its ``score`` (none without a score)."""
+        forms = set(forms)
+        return replace(self, **{f: self.score and f in forms for f in FORMS})
 
     @property
     def pieces(self) -> tuple[str, ...]:
-        return tuple(f.name for f in fields(self) if getattr(self, f.name))
+        """The contract pieces of this layer (:data:`LAYER_PIECES`), in field order."""
+        return tuple(f.name for f in fields(self) if f.name in LAYER_PIECES and getattr(self, f.name))
+
+    @property
+    def forms(self) -> tuple[str, ...]:
+        """The registered faster forms of this layer's ``score`` (:data:`FORMS`), in field order."""
+        return tuple(f.name for f in fields(self) if f.name in FORMS and getattr(self, f.name))
 
     @property
     def attention(self) -> bool:
@@ -112,6 +150,13 @@ class Plan:
 
     def __len__(self) -> int:
         return len(self.layers)
+
+    def with_forms(self, forms: Iterable[str]) -> "Plan":
+        """This plan with exactly the registered ``forms`` on every layer that has a ``score``."""
+        forms = frozenset(forms)
+        done = {lp: lp.with_forms(forms) for lp in set(self.layers)}
+        layers = tuple(done[lp] for lp in self.layers)
+        return Plan(embed=self.embed, layers=layers, same_every_layer=self.same_every_layer)
 
     @property
     def pieces(self) -> frozenset[str]:

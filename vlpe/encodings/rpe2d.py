@@ -227,15 +227,6 @@ class RPE2D(Encoding):
     def values(self, attn: Tensor, ctx: Context, layer: int, rows: slice | None = None) -> Tensor | None:
         return self.base.values(attn, ctx["inner"], layer, rows=rows)
 
-    def flex(self, q: Tensor, k: Tensor, ctx: Context, layer: int):
-        return self.base.flex(q, k, ctx["inner"], layer)
-
-    def score_heads(self, q: Tensor, k: Tensor, ctx: Context, layer: int, rows: slice):
-        return self.base.score_heads(q, k, ctx["inner"], layer, rows)
-
-    def lattice_bias(self, ctx: Context, layer: int):
-        return self.base.lattice_bias(ctx["inner"], layer)
-
     def neutralize(self) -> "RPE2D":
         self.base.neutralize()
         if self.crop_embed is not None:

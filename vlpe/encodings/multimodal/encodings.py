@@ -286,8 +286,9 @@ class PyPE(MultimodalRoPE):
 
     @property
     def pieces(self) -> frozenset[str]:
-        """The rotation, and the ring mask (a score with its per-head form) only with ``mask=True``."""
-        return frozenset({"rotate", "score", "score_heads"} if self.mask else {"rotate"})
+        """The rotation, and the ring mask (a score; its per-head form is registered in
+        :mod:`vlpe.attention_forms.pype`) only with ``mask=True``."""
+        return frozenset({"rotate", "score"} if self.mask else {"rotate"})
 
     def _frequencies(self) -> Tensor:
         if self.head_dim % 2:
@@ -334,13 +335,6 @@ class PyPE(MultimodalRoPE):
         forbid = p.unsqueeze(1) > pq.unsqueeze(2)  # (B, n, N): pos(k) > pos(q)
         bias = torch.zeros(forbid.shape, dtype=q.dtype, device=q.device).masked_fill(forbid, float("-inf"))
         return bias.unsqueeze(1)  # (B, 1, n, N)
-
-    def score_heads(self, q: Tensor, k: Tensor, ctx: Context, layer: int, rows: slice):
-        """The mask of the query ``rows``, built once and shared by every head."""
-        if not self.mask:
-            return None
-        bias = self.score(q, k, ctx, layer, rows=rows)  # (B, 1, n, N)
-        return lambda heads: bias
 
     def neutralize(self) -> "PyPE":
         self.freqs.zero_()
