@@ -69,6 +69,20 @@ def _plain(*names: str) -> tuple[Row, ...]:
     return tuple(Row(n, n) for n in names)
 
 
+#: what the two ViT families (Fashion-MNIST, Shapes-HR) share: the model, the training, the test items
+_VIT_MODEL = ("model.preset=micro", "model.embed_dim=64", "model.depth=4", "model.num_heads=4", "model.patch_size=4",
+              "model.readout=cls", "model.label_smoothing=0.1")  # fmt: skip
+_VIT_TRAIN = ("data.train_limit=null", "data.val_limit=null", "data.holdout=1000", "data.augment=false",
+              "train.micro_batch=128", "train.lr=0.003", "train.min_lr=0.00001", "train.weight_decay=0.05",
+              "train.steps=600", "train.warmup_steps=30", "train.val_batches=8")  # fmt: skip
+_VIT_EVAL = ("--limit", "500")
+
+
+def _vit_items(k: int) -> tuple[str, ...]:
+    """Seed k's test images: 500k ... 500k+499 (the 10,000 test images serve 20 seeds)."""
+    return ("--offset", str(500 * k))
+
+
 VIT = Protocol(
     family="vit",
     title="ViT resolution extrapolation (Fashion-MNIST)",
@@ -76,15 +90,9 @@ VIT = Protocol(
     evaluator="resolution",
     seeds=5,
     max_seeds=20,
-    train=(
-        "model.preset=micro", "model.embed_dim=64", "model.depth=4", "model.num_heads=4", "model.patch_size=4",
-        "model.readout=cls", "model.label_smoothing=0.1", "data.dataset=fashion_mnist", "data.img_size=28",
-        "data.train_limit=null", "data.val_limit=null", "data.holdout=1000", "data.augment=false",
-        "train.micro_batch=128", "train.lr=0.003", "train.min_lr=0.00001", "train.weight_decay=0.05",
-        "train.steps=600", "train.warmup_steps=30", "train.val_batches=8",
-    ),  # fmt: skip
-    eval_args=("--limit", "500"),
-    seed_args=lambda k: ("--offset", str(500 * k)),
+    train=(*_VIT_MODEL, "data.dataset=fashion_mnist", "data.img_size=28", *_VIT_TRAIN),
+    eval_args=_VIT_EVAL,
+    seed_args=_vit_items,
     rows=_plain("nope", "ape", "peg", "rope", "rope_mixed", "lookhere", "fire", "pape", "irpe", "rpe2d")
     + (Row("rope+ntk", "rope", "ntk"), Row("rope+yarn", "rope", "yarn"), Row("rope_mixed+yarn", "rope_mixed", "yarn")),
     extra=("rope_dinov3", "sincos", "alibi", "lh45", "lh90", "lh180", "pape_ri", "comrope", "string", "fourier"),
@@ -113,16 +121,10 @@ SHAPES = Protocol(
     evaluator="resolution",
     seeds=5,
     max_seeds=20,
-    train=(
-        "model.preset=micro", "model.embed_dim=64", "model.depth=4", "model.num_heads=4", "model.patch_size=4",
-        "model.readout=cls", "model.label_smoothing=0.1", "data.dataset=shapes", "data.channels=3",
-        "data.img_size=28", "data.shapes_train=20000", "data.shapes_test=10000", "data.shapes_cache=true",
-        "data.train_limit=null", "data.val_limit=null", "data.holdout=1000", "data.augment=false",
-        "train.micro_batch=128", "train.lr=0.003", "train.min_lr=0.00001", "train.weight_decay=0.05",
-        "train.steps=600", "train.warmup_steps=30", "train.val_batches=8",
-    ),  # fmt: skip
-    eval_args=("--limit", "500"),
-    seed_args=lambda k: ("--offset", str(500 * k)),
+    train=(*_VIT_MODEL, "data.dataset=shapes", "data.channels=3", "data.img_size=28", "data.shapes_train=20000",
+           "data.shapes_test=10000", "data.shapes_cache=true", *_VIT_TRAIN),  # fmt: skip
+    eval_args=_VIT_EVAL,
+    seed_args=_vit_items,
     rows=_plain("ape", "peg", "peg_gap"),
     own=(("peg_gap", ("model.readout=gap",)),),
     extra=("nope", "rope", "lookhere", "pape"),
