@@ -123,6 +123,9 @@ def job_command_eval(job: Job, out: Path) -> list[str]:
 
 def _child_env(threads: int) -> dict[str, str]:
     env = {**os.environ, "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads), "PYTHONUNBUFFERED": "1"}
+    # the runs import this checkout's code (the one the record's provenance names), not whichever checkout the
+    # environment's .pth file points at (a second worktree sharing one .venv would run the first one's files)
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])
     for k in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(k, None)  # each run is its own one-process group
     return env

@@ -17,6 +17,7 @@ What is checked:
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import numpy as np
@@ -388,3 +389,24 @@ def test_the_vlm_claims_range_is_two_to_eight_times_the_training_length():
     d_near = dict(zip([c.key for c in conds], sel["v_niah_d_near"]))
     assert {k for k, w in d_near.items() if w} == {"v_niah_d@16", "v_niah_d@32", "v_niah_d@64"}
     assert sum(1 for w in sel["extrapolated"] if w) == 5
+
+
+def test_suite_runs_import_the_checkout_that_runs_them(tmp_path, monkeypatch):
+    """A run started by the suite imports this checkout's packages, whatever else is on the path (runs of a second
+    worktree sharing one .venv once imported the first checkout's working tree through its .pth file): a decoy
+    checkout on PYTHONPATH must not win."""
+    import subprocess
+    import sys
+
+    decoy = tmp_path / "decoy"
+    for pkg in ("vlpe", "models", "train"):
+        (decoy / pkg).mkdir(parents=True)
+        (decoy / pkg / "__init__.py").write_text("")
+    monkeypatch.setenv("PYTHONPATH", str(decoy))
+    env = suite._child_env(1)
+    assert env["PYTHONPATH"].split(os.pathsep)[0] == str(suite.ROOT)
+    code = "import vlpe, models, train; print(vlpe.__file__); print(models.__file__); print(train.__file__)"
+    out = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True,
+                         timeout=120)  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    assert all(line.startswith(str(suite.ROOT)) for line in out.stdout.split()), out.stdout
