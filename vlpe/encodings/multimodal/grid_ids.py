@@ -3,42 +3,77 @@
 The general path (:func:`vlpe.encodings.multimodal.layout.token_layout`, then the design) builds a per-token
 description of the batch and assembles positions from it; for the common case of unpacked rows, an integer
 temporal stride and ``B * S * stride < 2**23``, :func:`grid_position_ids` gets the same ids with one
-``cumsum`` locating each block's last token, one in-place ``cumsum`` of a small int32 buffer of per-block
-changes, and float32 divisions (exact below ``2**24``). Its checks (token types, grid rows, vision token
-count, blocks across row starts, blocks matching runs of tokens) fold into seven numbers read once; on any
-failure it returns None and the general path raises the same error. Equality with the general path, and
-declining exactly where it raises, are tested on random and corrupted batches in ``tests/test_mm_grid_ids.py``
-(and over every option in ``tests/test_mm_position_ids.py``).
+``cumsum`` locating each block's last token, in-place ``cumsum`` passes over one int32 buffer of per-token
+increments and per-block changes, and float32 divisions (exact below ``2**24``). The calls take a few hundred
+microseconds on CPU and their cost is the number of torch calls, so every per-block quantity is computed on
+``R + 2`` values at once, the token-sized stages work in place on that buffer, and the checks (token types,
+grid rows, blocks matching runs of tokens) fold into one float vector compared with its bounds in one host
+read; on any failure it returns None and the general path raises the same error. Equality with the general
+path, and declining exactly where it raises, are tested on random and corrupted batches in
+``tests/test_mm_grid_ids.py`` (and over every option in ``tests/test_mm_position_ids.py``); equality with a
+per-block Python loop, and the decline of each check on a hand-made layout, in ``tests/test_mm_fused_ids.py``.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
 from torch import Tensor
 
-from .layout import _as_grid, _checked_inputs, merge_divisor
+from .layout import _as_grid, _checked_inputs
 
 __all__ = ["grid_position_ids"]
 
 
-_CONSTS: dict[torch.device, tuple[Tensor, ...]] = {}
-_BIG = 1 << 62
-#: bounds of the seven quantities :func:`grid_position_ids` checks
-_LOWER = (0, -_BIG, 1, -_BIG, -_BIG, 0, 0)
-_UPPER = (_BIG, 2, _BIG, 0, 0, 0, 0)
+_CONSTS: dict[tuple, tuple[Tensor, ...]] = {}
+_INF = float("inf")
+#: columns of the per-block state matrix: merged T, H, W, the position advance, the token count, then (with
+#: validation) the remainders of T, H, W by the merge divisor
+_T, _H, _W, _ADV, _N = range(5)
 
 
-def _consts(device: torch.device) -> tuple[Tensor, ...]:
-    """The small constant tensors of :func:`grid_position_ids`, kept per device (never copied to it again):
-    ``(4, 1)`` zeros, the ``(4, 1)`` weights of a row's own state and of the previous row's in its change, and
-    the ``(7,)`` lower and upper bounds of the checked quantities."""
-    consts = _CONSTS.get(device)  # (a torch.device is its own key: no attribute reads per call)
+def _mix(width: int) -> list[list[int]]:
+    """``(4, 2 * width)``: the change of (position, W, H, offset) on entering block k, from the state rows of
+    blocks ``k - 1`` (first ``width`` columns) and ``k`` (last ``width``): the position advances by the previous
+    block's advance, W and H become block k's, the offset drops by the previous block's tokens."""
+    mix = [[0] * (2 * width) for _ in range(4)]
+    mix[0][_ADV] = 1
+    mix[1][_W], mix[1][width + _W] = -1, 1
+    mix[2][_H], mix[2][width + _H] = -1, 1
+    mix[3][_N] = -1
+    return mix
+
+
+def _consts(device: torch.device, m: int) -> tuple[Tensor, ...]:
+    """The small constant tensors of :func:`grid_position_ids`, float32, kept per ``(device, m)`` (never copied
+    to the device again): a ``(1, 3)`` zero row, the merge divisor ``(1, m, m)`` as ``(3,)`` and as a ``(1, 3)``
+    row, and the ``(4, 10)`` / ``(4, 16)`` mixing matrices of the state without / with the remainder columns."""
+    key = (device, m)  # (a torch.device is its own key: no attribute reads per call)
+    consts = _CONSTS.get(key)
     if consts is None:
-        rows = ([[0]] * 4, [[0], [1], [1], [0]], [[1], [-1], [-1], [-1]], _LOWER, _UPPER)
-        consts = _CONSTS[device] = tuple(torch.tensor(r, dtype=torch.int64, device=device) for r in rows)
+        div = torch.tensor([1, m, m], dtype=torch.float32, device=device)
+        consts = _CONSTS[key] = (
+            torch.zeros(1, 3, dtype=torch.float32, device=device), div, div.view(1, 3),
+            *(torch.tensor(_mix(w), dtype=torch.float32, device=device) for w in (5, 8)),
+        )
     return consts
+
+
+@functools.lru_cache(maxsize=64)
+def _bounds(R: int, N: int, device: torch.device) -> tuple[Tensor, Tensor]:
+    """Lower and upper bounds ``(8 (R + 2) + 4,)`` of the checked vector of :func:`grid_position_ids` for ``R``
+    grid rows and ``N`` tokens (kept per ``(R, N, device)``, shapes: no tensor value is a key): the state
+    matrix (the zero and the virtual rows free; on the R real rows merged T, H, W >= 1, at most N tokens, the
+    remainders 0), then the sum of offsets at run boundaries (<= 0), the number of runs (R), the smallest
+    (>= 0) and the largest (<= 2) token type. (A block of more than N tokens cannot match the batch: the
+    bound keeps the int32 block counts and changes exact whenever the checks pass.)"""
+    free = [(-_INF, _INF)] * 8
+    real = [(1, _INF)] * 3 + [(-_INF, _INF), (-_INF, N)] + [(0, 0)] * 3
+    lower, upper = zip(*(free + real * R + free + [(-_INF, 0), (R, R), (0, _INF), (-_INF, 2)]))
+    return (torch.tensor(lower, dtype=torch.float32, device=device),
+            torch.tensor(upper, dtype=torch.float32, device=device))
 
 
 def grid_position_ids(
@@ -58,24 +93,33 @@ def grid_position_ids(
     the inputs fail a check: the caller then takes the general path (:func:`token_layout`, the design, the
     assembly), which raises the check's ValueError; the ids are the general path's, exactly.
 
-    The general path's quantities, with fewer passes over the tokens (small tensors: the cost is the number
-    of torch ops, so everything per grid row is done on ``R + 1`` values at once):
+    The general path's quantities in about 50 torch calls (their number, not the arithmetic, is the cost at
+    these sizes), with one token-sized allocation besides the output:
 
-    1. one int32 buffer ``(4, B*S + 3)`` of per-token increments (slot 0 the initial values, slot ``p + 1``
-       the change after token ``p``): the vision tokens, the text tokens (that advance the position);
-    2. ``searchsorted`` of the rows' vision counts in the ``cumsum`` of the first row gives the slot after
-       every grid row's last token, where the row's change is scattered (``R + 1`` values): the vision count
-       drops by the row's size, the position advances by ``max(T, H, W)``, and the current ``H, W`` change;
-    3. one ``cumsum`` of the buffer then holds, for every token, its raster offset in its block (0 on text),
-       the running position (up to the value at the sample's start) and its block's ``H`` and ``W``;
-    4. ``(tau, i, j)`` from the offset by float32 division (exact: every value is an integer below 2**24).
+    1. the state of every block ``(R + 2, 5)`` (merged ``T, H, W``, position advance ``max(T, H, W)``, tokens
+       ``n``) between a zero row and a virtual ``(1, 1, 1)`` row; one ``mm`` mixes the rows of consecutive
+       blocks into the ``(4, R + 1)`` change of (position, W, H, offset) on entering each block;
+    2. an int32 buffer of rows (position, W, H, offset, spare[, run boundaries]), each ``B (S + 1) + 1`` long:
+       batch row ``b`` owns columns ``b (S + 1)`` (its start) to ``b (S + 1) + S`` (after its last token), the
+       last column takes the changes of blocks that never end. Text tokens add 1 to the position after them,
+       vision tokens 1 to the offset; ``searchsorted`` of the blocks' vision counts in the ``cumsum`` of the
+       offset row gives the column after every block's last token, where the next block's change is scattered;
+    3. an in-place ``cumsum`` over W, H and offset (flat: a block's state carries on) and one per batch row over
+       the position (it restarts at every row): column ``b (S + 1) + s`` then holds token ``(b, s)``'s raster
+       offset in its block (0 on text), its block's W and H, and its position; column ``b (S + 1) + S`` the
+       position after the row (the rope delta plus its real tokens);
+    4. the buffer converted to float32 in place, ``(tau, i, j)`` from the offset by float32 division (exact:
+       every value is an integer below 2**24), the position added, and back to int32 in place.
 
-    With ``validate`` the general path's checks are folded into seven integers read once: token types in 0..2,
-    merged grids >= 1 with ``H, W`` divisible, the offset 0 at every row start and after the last token, and
-    blocks = runs (exactly R runs of one vision type start, each at offset 0). These imply the vision token
-    count: a vision token with offset 0 starts a block that has tokens, so R runs at offset 0 need all R blocks
-    to have tokens; missing tokens then leave the last block open and extra ones follow its end, and either
-    way the offset after the last token is not 0.
+    With ``validate`` the general path's checks fold into one float vector compared with its bounds, one host
+    read: the state matrix (merged grids >= 1 of at most N tokens, remainders by the merge divisor 0), the
+    smallest and largest token type (0 .. 2), and one ``mv`` of (offset, vision copy) with the run boundaries
+    (token type changes, row starts, row ends): the offsets there sum to 0 (no block is open where a run starts
+    or ends, nor across rows) and the vision tokens there, the runs, number R. These are the general path's
+    checks: a vision token with offset 0 starts a block that has tokens, so R runs at offset 0 need all R blocks
+    to have tokens and each to be one run; a missing or an extra token leaves a block open at a run's end; text
+    or padding inside a block, or a block across rows, leaves it open at a run boundary; two blocks of one type
+    with no text between them are one run.
     """
     try:
         stride = float(temporal_stride)
@@ -92,82 +136,91 @@ def grid_position_ids(
     R = grid.shape[0]
     if R == 0 or N == 0 or N * stride >= 1 << 23:
         return None
-    # (tensor indexing costs more than the small ops here: views are taken by narrow / select / unbind)
-    zero, this, prev, lower, upper = _consts(device)
-    div = merge_divisor(m, device)
-    g = torch.floor_divide(torch.cat([grid, div.view(1, 3)]), div)  # (R + 1, 3) merged, a virtual (1, 1, 1) row last
-    gH, gW = g.as_strided((R + 1,), (3,), 1), g.as_strided((R + 1,), (3,), 2)  # columns of the fresh g
-    n = g.prod(-1)  # (R + 1,) tokens per row
+    # (a torch call costs more than these small tensors' arithmetic: views are taken by one as_strided call each)
+    zero, div, div_row, mix5, mix8 = _consts(device, m)
+    # (R + 2, 3) float32 (BLAS mixes it; exact below 2**24, and a grid value beyond makes a block of more than N
+    # tokens, which the checks decline): a zero row first, the virtual block (m, m -> 1, 1, 1) last
+    full = torch.cat([zero, grid, div_row])
+    g = torch.floor_divide(full, div)  # merged (T, H, W)
+    n = g.prod(-1, keepdim=True)  # (R + 2, 1) tokens per block
     if stride == 1:
-        adv = g.amax(-1)  # max(T - 1, H - 1, W - 1) + 1
+        adv = g.amax(-1, keepdim=True)  # max(T - 1, H - 1, W - 1) + 1
     else:
-        adv = torch.maximum(torch.maximum((g.select(1, 0) - 1) * stride, gH - 1), gW - 1) + 1
-    start = n.cumsum(0) - n  # (R + 1,) vision tokens before each row (start[R]: all of them)
-    # buffer rows: 0 position, 1 W, 2 H, 3 offset; change[:, r] = entering row r: position +adv[r - 1], the
-    # W and H of row r, offset -n[r - 1] (the vision tokens of row r - 1 are done)
-    state = torch.stack([adv, gW, gH, n])  # (4, R + 1)
-    before = torch.cat([zero, state.as_strided((4, R), (R + 1, 1))], dim=1)  # the previous row's (none for row 0)
-    change = torch.addcmul(state * this, before, prev).to(torch.int32)
+        gT, gH, gW = g.unbind(1)
+        adv = (torch.maximum(torch.maximum((gT - 1) * stride, gH - 1), gW - 1) + 1).unsqueeze(1)
+    if validate:  # the remainders ride along to the checked vector
+        state, width, mix = torch.cat([g, adv, n, torch.remainder(full, div)], 1), 8, mix8  # (R + 2, 8)
+    else:
+        state, width, mix = torch.cat([g, adv, n], 1), 5, mix5  # (R + 2, 5)
+    # (4, R + 1): column k mixes the state rows k (block k - 1) and k + 1 (block k)
+    change = torch.mm(mix, state.as_strided((2 * width, R + 1), (1, width))).to(torch.int32)
 
-    flat = types.reshape(-1)
+    P = S + 1
+    L = B * P
+    row = L + 1
+    # rows: position, W, H, offset, the vision copy (then a scratch row), the run boundaries (validation); every
+    # later stage works in place on this buffer (or on its float32 view): one allocation of the token size
+    buf = torch.zeros(5 + validate, row, dtype=torch.int32, device=device)
     vis = types.bool() if valid is None else types.bool() & valid  # (B, S) vision tokens
-    flat_vis = vis.view(-1)
-    buf = torch.zeros(4, N + 3, dtype=torch.int32, device=device)
-    # views of the fresh buffers (offset 0, contiguous) by as_strided: one call where unbind / narrow / view
-    # chains cost several
-    row = N + 3
     if valid is None:  # text advances the position by one
-        torch.logical_not(flat_vis, out=buf.as_strided((N,), (1,), 1))
+        torch.logical_not(vis, out=buf.as_strided((B, S), (P, 1), 1))
     else:
-        torch.logical_xor(valid.view(-1), flat_vis, out=buf.as_strided((N,), (1,), 1))
-    buf.as_strided((N,), (1,), 3 * row + 1).copy_(flat_vis)
-    cnt = buf.as_strided((N + 2,), (1,), 3 * row).cumsum(0, dtype=torch.int32)  # (N + 2,) vision tokens before slots
-    slots = torch.searchsorted(cnt, start)  # (R + 1,) slot 0, then the slot after each row's last token (N + 2: none)
-    buf.scatter_add_(1, slots.expand(4, -1), change)
-    acc = buf.cumsum_(1)  # (4, N + 3) in place: token p's values at column p, the end at column N
+        torch.logical_xor(valid, vis, out=buf.as_strided((B, S), (P, 1), 1))
+    # vision tokens advance the offset; the vision copy (validation) sits at the token's own column
+    buf.as_strided((1 + validate, B, S), (L, P, 1), 3 * row + 1).copy_(vis)
+    spare = buf.as_strided((L,), (1,), (4 + validate) * row)  # the last row: free until the checks (or the end)
+    cnt = torch.cumsum(buf.as_strided((L,), (1,), 3 * row), 0, out=spare)  # (L,) vision tokens up to a column
+    # vision tokens before block k (R + 2, 1), int32 like the counts (a mixed-dtype search copies them) while the
+    # sums fit (blocks of at most N tokens: the checks decline any other) -> the column after the last token of
+    # block k - 1, where the change of block k goes (the last value, the virtual block's end, is unused)
+    before = n.cumsum(0, dtype=torch.int32) if (R + 2) * N < 1 << 31 else n.cumsum(0)
+    slots = torch.searchsorted(cnt, before)
+    buf.scatter_add_(1, slots.as_strided((4, R + 1), (0, 1)), change)
+    buf.as_strided((3, L), (row, 1), row).cumsum_(1)  # W, H, offset: a block's state carries across rows
+    buf.as_strided((B, P), (P, 1)).cumsum_(1)  # the position restarts at every batch row
 
     if validate:
-        lo, hi = torch.aminmax(types)
-        vt = flat if valid is None else flat * flat_vis
-        starts = torch.empty(N, dtype=torch.bool, device=device)  # a run of one vision type starts here
-        torch.ne(vt.narrow(0, 1, N - 1), vt.narrow(0, 0, N - 1), out=starts.as_strided((N - 1,), (1,), 1))
-        starts.as_strided((B,), (S,)).fill_(True)  # at every row start
-        run = starts & flat_vis
-        off = acc.as_strided((N,), (1,), 3 * row)  # the offsets
-        found = torch.stack([
-            lo, hi,  # token types in 0 .. 2
-            g.amin(), torch.remainder(grid, div).amax(),  # merged grids >= 1, H and W divisible by m
-            acc.as_strided((B + 1,), (S,), 3 * row).sum(),  # offsets 0 at every row start and at the end
-            run.sum() - R, (run * off).sum(),  # blocks = runs: R runs of one type, each at offset 0
-        ])
+        vt = types if valid is None else types * vis  # padding is no run
+        st0, st1 = vt.stride()
+        at = vt.storage_offset()
+        # run boundaries: where the token type changes (compared into bools, the fast comparison), every row start
+        # and row end
+        changes = torch.ne(vt.as_strided((B, S - 1), (st0, st1), at + st1), vt.as_strided((B, S - 1), (st0, st1), at))
+        buf.as_strided((B, S - 1), (P, 1), 5 * row + 1).copy_(changes)
+        buf.as_strided((B, 2), (P, S), 5 * row).fill_(1)
+    acc = buf.view(torch.float32)
+    acc.copy_(buf)  # in place (exact: integers below 2**24)
+    if validate:
+        # (offsets, vision tokens) at the run boundaries
+        runs = torch.mv(acc.as_strided((2, L), (row, 1), 3 * row), acc.as_strided((L,), (1,), 5 * row))
+        found = torch.cat([state.view(-1), runs, torch.stack(torch.aminmax(types))])  # float32
+        lower, upper = _bounds(R, N, device)
         if not torch.equal(found.clamp(lower, upper), found):
             return None  # the general path raises the ValueError of the first failing check
 
-    accf = acc.float()
-    _, W, H, off = accf.unbind(0)  # (N + 3,) each: W, H, offset in the block (the last 3 columns unused)
-    line = torch.div(off, W).floor_()  # the block's line: tau * H + i
+    coords = acc.as_strided((3, B, S), (row, P, 1), row)  # (W, H, offset) -> (tau, i, j) in place
+    W, H, off = coords.unbind(0)
+    line = torch.div(off, W, out=acc.as_strided((B, S), (P, 1), 4 * row)).floor_()  # the block's line: tau * H + i
     torch.addcmul(off, line, W, value=-1, out=off)  # j (over the offset)
     torch.div(line, H, out=W).floor_()  # tau (over W)
     torch.addcmul(line, W, H, value=-1, out=H)  # i (over H)
-    coords = accf.as_strided((3, B, S), (row, S, 1), row)  # (tau, i, j)
     if stride != 1:
         W.mul_(stride)
-    running = accf.as_strided((B, S), (S, 1)) - accf.as_strided((B, 1), (S, 0))  # position - the row start's
+    pos = acc.as_strided((B, S), (P, 1))
     if spatial_reset:  # h, w local to the block; text carries the running position on every axis
-        coords.select(0, 0).add_(running)
-        torch.where(vis, coords.narrow(0, 1, 2), running, out=coords.narrow(0, 1, 2))
+        W.add_(pos)
+        torch.where(vis, coords.narrow(0, 1, 2), pos, out=coords.narrow(0, 1, 2))
     else:
-        coords.add_(running)
-    ends = accf.as_strided((B,), (S,), S) - accf.as_strided((B,), (S,))  # (B,) positions a row advances
-    deltas = ends.sub_(S if valid is None else valid.sum(-1))
-    work = torch.float64 if (dtype is not None and dtype.is_floating_point) else torch.int64
+        coords.add_(pos)
+    # (B, 1) position after each row, less its real tokens
+    deltas = acc.as_strided((B, 1), (P, 1), S) - (S if valid is None else valid.sum(-1, keepdim=True))
     dtype = torch.int64 if dtype is None else dtype
-    if work == torch.float64:
-        ids = coords.to(work)
-    else:  # float32 -> int32 (into the spent buffer) -> int64: cheaper than one float32 -> int64 pass
-        ints = acc.as_strided((3, B, S), (row, S, 1), row)
+    if dtype.is_floating_point:
+        ids = coords.to(torch.float64)
+    else:  # float32 -> int32 in place -> int64: cheaper than one float32 -> int64 pass
+        ints = buf.as_strided((3, B, S), (row, P, 1), row)
         ints.copy_(coords)
         ids = ints.to(torch.int64)
     if valid is not None:
         ids.masked_fill_(~valid, pad_position)
-    return ids.to(dtype), deltas.view(B, 1).to(dtype)  # integers below 2**24: exact in every dtype
+    return ids if ids.dtype == dtype else ids.to(dtype), deltas.to(dtype)  # integers below 2**24: exact in every dtype

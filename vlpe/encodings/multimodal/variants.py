@@ -293,9 +293,17 @@ def merge_grids(
         raise ValueError(f"mm_token_type_ids must have shape (B, S), got {tuple(types.shape)}")
     device = types.device
     m = int(spatial_merge_size)
-    given = [(kind, torch.as_tensor(g, device=device).to(torch.int64).reshape(-1, 3))
-             for kind, g in ((1, image_grid_thw), (2, video_grid_thw)) if g is not None]  # two modalities
-    given = [(kind, g) for kind, g in given if g.shape[0]]
+    given = []  # (kind, (rows, 3) int64 grid) of the modalities with rows, images first
+    for kind, g in ((1, image_grid_thw), (2, video_grid_thw)):
+        if g is None:
+            continue
+        g = torch.as_tensor(g, device=device)
+        if g.dtype != torch.int64:  # (a torch call costs more than these checks: none when nothing changes)
+            g = g.to(torch.int64)
+        if g.dim() != 2 or g.shape[1] != 3:
+            g = g.reshape(-1, 3)
+        if g.shape[0]:
+            given.append((kind, g))
     if not given:
         return torch.zeros(0, 3, dtype=torch.int64, device=device), torch.zeros(0, dtype=torch.int64, device=device)
     if len(given) == 1:  # one modality: its rows are already in order of appearance (nothing to count)
