@@ -42,10 +42,10 @@ class Stack(nn.Module):
 
     def forward(self, x, pos, enc):
         ctx = enc.prepare(pos)  # once per forward, shared by all layers
-        x = enc.embed(x, ctx)
+        x = enc.embed(x, ctx) if ctx.plan.embed else x
         for i, blk in enumerate(self.blocks):
             x = blk(x, enc, ctx, i)
-            x = enc.mix(x, ctx, i)
+            x = enc.mix(x, ctx, i) if ctx.plan[i].mix else x
         return self.norm(x)
 
 

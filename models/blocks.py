@@ -170,13 +170,15 @@ def encoding_context(enc: vlpe.encodings.Encoding, pos: vlpe.Positions) -> vlpe.
 
 
 def encoding_embed(enc: vlpe.encodings.Encoding, x: Tensor, ctx: vlpe.encodings.Context) -> Tensor:
-    """``enc.embed(x, ctx)`` on tokens ``(B, N, C)``: one graph node under ``torch.fx``."""
-    return enc.embed(x, ctx)
+    """``enc.embed(x, ctx)`` on tokens ``(B, N, C)`` where the plan has an ``embed`` (else ``x``): one graph node
+    under ``torch.fx``."""
+    return enc.embed(x, ctx) if ctx.plan.embed else x
 
 
 def encoding_mix(enc: vlpe.encodings.Encoding, x: Tensor, ctx: vlpe.encodings.Context, layer: int) -> Tensor:
-    """``enc.mix(x, ctx, layer)`` on tokens ``(B, N, C)``: one graph node under ``torch.fx``."""
-    return enc.mix(x, ctx, layer)
+    """``enc.mix(x, ctx, layer)`` on tokens ``(B, N, C)`` where the plan has a ``mix`` after ``layer`` (else ``x``):
+    one graph node under ``torch.fx``."""
+    return enc.mix(x, ctx, layer) if ctx.plan[layer].mix else x
 
 
 def readout(x: Tensor, pos: vlpe.Positions, mode: str) -> Tensor:

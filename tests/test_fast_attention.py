@@ -159,7 +159,7 @@ def test_automatic_choice_keeps_training_on_the_reference_path(monkeypatch):
 
 
 def test_an_encoding_may_lower_the_automatic_threshold(monkeypatch):
-    """``fast_min_tokens`` (data on the class) moves the automatic choice for that encoding only."""
+    """A class's registered ``min_tokens`` (FIRE's fast form) moves the automatic choice for that encoding only."""
     calls = []
     real = attention_fast._lattice_attention
     monkeypatch.setattr(attention_fast, "_lattice_attention", lambda *a, **kw: calls.append(1) or real(*a, **kw))

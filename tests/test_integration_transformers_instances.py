@@ -185,6 +185,6 @@ def test_the_patch_holds_one_variant_with_every_option():
     torch.testing.assert_close(cos, want_cos)
     torch.testing.assert_close(sin, want_sin)
     enc = mm.encoding(v, dim=128, num_heads=8)
-    assert enc.spec is v
+    assert enc.active_variant is v
     with pytest.raises(TypeError):
         vhf.Patch(model, model.model, FAMILY, v, 2)  # keyword-only

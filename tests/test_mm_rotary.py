@@ -345,7 +345,7 @@ def test_pype_encoding_positions_use_its_depth():
 def test_registered_encodings_hold_their_variant(name):
     opts = {"num_kv_heads": 4} if name == "mhrope" else {}
     enc = vlpe.encodings.build(name, dim=256, num_heads=8, **opts)
-    assert enc.spec is mm.VARIANTS[name]  # the table's object itself, no copy of its settings
+    assert enc.active_variant is mm.VARIANTS[name]  # the table's object itself, no copy of its settings
     assert type(mm.encoding(mm.VARIANTS[name], dim=256, num_heads=8, **opts)) is type(enc)
 
 
@@ -354,7 +354,7 @@ def test_any_variant_is_an_encoding_that_matches_its_tables():
     types, mask, grid = mm_batch("videorope")
     ids, _ = mm.position_ids(v, types, grid, attention_mask=mask)
     enc = mm.encoding(v, dim=8 * 32, num_heads=8)
-    assert enc.spec is v and type(enc) is mm.encodings.MultimodalRoPE
+    assert enc.active_variant is v and type(enc) is mm.encodings.MultimodalRoPE
     ctx = enc.prepare(vlpe.Positions(ids.permute(1, 2, 0).float()))
     q, k = torch.randn(2, 2, 8, ids.shape[-1], 32)
     got = enc.rotate(q, k, ctx, 0)

@@ -8,9 +8,9 @@
   has no FlexAttention backward, so training on CPU must use ``sdpa`` or ``eager``.
 
 Inference fast path of ``sdpa`` (``attend(..., fast=None)``: automatic from :data:`FAST_MIN_TOKENS` tokens on,
-or the encoding's own ``fast_min_tokens``, when no autograd graph is needed; ``fast=True`` forces it,
-``fast=False`` keeps the reference path): SDPA per head over chunks of queries bounded in bytes of bias
-(:data:`FAST_BIAS_BYTES` per call), each chunk's bias built just before the call reads it.
+or the ``min_tokens`` the encoding's fast form registers (:mod:`vlpe.attention_forms`), when no autograd graph is
+needed; ``fast=True`` forces it, ``fast=False`` keeps the reference path): SDPA per head over chunks of queries
+bounded in bytes of bias (:data:`FAST_BIAS_BYTES` per call), each chunk's bias built just before the call reads it.
 
 * on lattice positions (``Positions.lattice``; any 2D grid for iRPE, which reads only the grid) the lattice form
   registered for the encoding (:mod:`vlpe.attention_forms`) gives every chunk's bias as one strided copy of a
@@ -47,6 +47,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .attention_fast import FAST_BIAS_BYTES, _combine, fast_attention, fast_blocker
+from .attention_forms.registry import fast_min_tokens
 from .attention_flex import dense_score_mod, flex_attend
 from .encodings.base import Context, Encoding
 from .positions import Positions
@@ -154,7 +155,7 @@ def attend(
     ``ctx`` is ``enc.prepare(pos)``, built once per forward and shared by all layers. ``attn_mask`` is an
     extra additive (float) or keep (bool) mask broadcastable to (B, H, N, N). ``fast``: the inference fast
     path of the ``sdpa`` backend for bias and widening encodings (module docstring): None takes it from
-    :data:`FAST_MIN_TOKENS` tokens on (``enc.fast_min_tokens`` where the encoding declares it) when nothing
+    :data:`FAST_MIN_TOKENS` tokens on (the ``min_tokens`` its fast form registers, if any) when nothing
     needs gradients, True whenever it applies (a
     ``ValueError`` says why it cannot: autograd, ``attn_mask``, ``is_causal``, dropout, another backend or a
     ``values`` term), False never.
@@ -191,7 +192,7 @@ def attend(
         why = fast_blocker(backend, has_values, attn_mask, is_causal, dropout_p, enc, (q, k, v))
         if fast and why:
             raise ValueError(f"attend(fast=True): the inference fast path does not apply: {why}")
-        least = FAST_MIN_TOKENS if enc is None or enc.fast_min_tokens is None else enc.fast_min_tokens
+        least = (None if enc is None else fast_min_tokens(enc)) or FAST_MIN_TOKENS
         if why is None and (fast or q.shape[-2] >= least):
             out = _fast_attention(q, k, v, enc, ctx, step, layer, scale, pad)
             if out is not None:

@@ -15,7 +15,7 @@ from .registry import clear_prefix, fast_form, flex_form
 __all__ = ["fire_lattice", "fire_flex"]
 
 
-@fast_form(FIRE, "lattice")
+@fast_form(FIRE, "lattice", min_tokens=196)  # the reference bias runs an MLP on every pair: fast from 14 x 14
 def fire_lattice(enc: FIRE, ctx: Context, layer: int) -> LatticeBias | None:
     """The MLP of ``score`` at every grid offset (keys at the offsets seen from a query at the origin),
     ``(2h-1)(2w-1)`` evaluations instead of ``N^2``; prefix pairs: 0 (:class:`LatticeBias` default)."""

@@ -29,7 +29,7 @@ from ..encodings.base import Context, Encoding, LatticeBias
 
 __all__ = [
     "FAST_FORMS", "FLEX_FORMS", "FORM_NAMES", "FastForm", "FlexForm", "clear_prefix", "fast_form", "fast_form_of",
-    "flex_form", "flex_form_of", "forms_of", "heads_bias", "lattice_table", "flex_mods",
+    "flex_form", "flex_form_of", "forms_of", "fast_min_tokens", "heads_bias", "lattice_table", "flex_mods",
 ]
 
 #: ``lattice(enc, ctx, layer) -> LatticeBias | None`` (None: not these positions)
@@ -47,12 +47,15 @@ FORM_NAMES = ("score_heads", "lattice_bias", "flex", "score_mod", "block_mask")
 
 @dataclass(frozen=True)
 class FastForm:
-    """The fast-path forms of one encoding class; ``*_when(enc)`` is the per-instance condition (None: always)."""
+    """The fast-path forms of one encoding class; ``*_when(enc)`` is the per-instance condition (None: always);
+    ``min_tokens``: tokens from which ``attend(fast=None)`` takes the fast path for this class (None: the default
+    :data:`vlpe.attention.FAST_MIN_TOKENS`; lower where the reference bias is costly per pair)."""
 
     lattice: LatticeForm | None = None
     heads: HeadsForm | None = None
     lattice_when: Callable[[Encoding], bool] | None = None
     heads_when: Callable[[Encoding], bool] | None = None
+    min_tokens: int | None = None
 
 
 #: encoding class -> its fast-path forms (the inference fast path of :mod:`vlpe.attention_fast`)
@@ -63,17 +66,25 @@ FLEX_FORMS: dict[type, tuple[FlexForm, Callable[[Encoding], bool] | None]] = {}
 _KINDS = ("lattice", "heads")
 
 
-def fast_form(cls: type, kind: str, *, when: Callable[[Encoding], bool] | None = None):
+def fast_form(
+    cls: type, kind: str, *, when: Callable[[Encoding], bool] | None = None, min_tokens: int | None = None
+):
     """Decorator registering ``fn`` as the ``kind`` (``"lattice"`` or ``"heads"``) fast form of encoding class ``cls``
-    (and of its subclasses that register none of their own); ``when(enc)``: the per-instance condition."""
+    (and of its subclasses that register none of their own); ``when(enc)``: the per-instance condition;
+    ``min_tokens``: the class's automatic fast-path threshold (:class:`FastForm`)."""
     if kind not in _KINDS:
         raise ValueError(f"fast_form kind must be 'lattice' or 'heads', got {kind!r}")
     if not (isinstance(cls, type) and issubclass(cls, Encoding)):
         raise TypeError(f"fast_form registers a form for an Encoding class, got {cls!r}")
+    if min_tokens is not None and (isinstance(min_tokens, bool) or not isinstance(min_tokens, int) or min_tokens < 1):
+        raise ValueError(f"fast_form min_tokens must be an integer >= 1 (or None), got {min_tokens!r}")
 
     def register(fn):
         old = FAST_FORMS.get(cls, FastForm())
-        FAST_FORMS[cls] = replace(old, **{kind: fn, f"{kind}_when": when})
+        new = {kind: fn, f"{kind}_when": when}
+        if min_tokens is not None:
+            new["min_tokens"] = min_tokens
+        FAST_FORMS[cls] = replace(old, **new)
         return fn
 
     return register
@@ -134,6 +145,12 @@ def lattice_table(enc: Encoding, ctx: Context, layer: int) -> LatticeBias | None
     """``enc``'s registered lattice table at ``layer`` (None: no form, or not these positions)."""
     form = fast_form_of(enc)
     return None if form is None or form.lattice is None else form.lattice(enc, ctx, layer)
+
+
+def fast_min_tokens(enc: Encoding) -> int | None:
+    """The tokens from which ``attend(fast=None)`` takes the fast path for ``enc``'s class (None: the default)."""
+    form = fast_form_of(enc)
+    return None if form is None else form.min_tokens
 
 
 def heads_bias(enc: Encoding, q: Tensor, k: Tensor, ctx: Context, layer: int, rows: slice):

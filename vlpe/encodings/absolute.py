@@ -73,8 +73,6 @@ class LearnedAPE(AdditiveEmbedding):
     """
 
     claims = frozenset({"neutral"})
-    resampling = "rows"  # RPE-2D samples rows of the table (its grid_size is the expanded range)
-    absolute_table = "pos_embed"  # a timm ViT's pos_embed initialises it (vlpe.integrations.timm.convert)
     supported_axes = (2, 3)
     needs_grid = True
 
@@ -128,7 +126,8 @@ class LearnedAPE(AdditiveEmbedding):
 
     def prepare_rows(self, pos: Positions, indices: list[Tensor]) -> Context:
         """The learned table read at the grid rows ``indices`` (per axis ``(B, g_a)``, indices into
-        ``grid_size``) instead of being resampled to ``pos.grid`` (RPE-2D's sampled positions)."""
+        ``grid_size``) instead of being resampled to ``pos.grid`` (RPE-2D's sampled positions: its rows reader,
+        :data:`vlpe.encodings.rpe2d.BASES`)."""
         if self.prefix and pos.prefix != self.prefix:
             raise ValueError(
                 f"ape was built with {self.prefix} prefix slot(s) but the positions have prefix={pos.prefix}"
@@ -218,7 +217,6 @@ class SinCosAPE(AdditiveEmbedding):
     """
 
     claims = frozenset({"extrapolation", "fp32_angles"})
-    resampling = "coords"
 
     def __init__(
         self,

@@ -66,7 +66,6 @@ class ALiBi(Encoding):
 
     claims = frozenset({"relative", "extrapolation", "rotation_invariant", "neutral", "fp32_angles"})
     pieces = frozenset({"score"})
-    resampling = "coords"
 
     def __init__(self, *, spec: EncodingSpec) -> None:
         num_heads = spec.num_heads

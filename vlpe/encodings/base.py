@@ -41,14 +41,15 @@ import torch
 from torch import Tensor, nn
 
 from ..positions import Positions
-from .plan import PIECES, Plan, forms_of
+from .plan import CTX_ARG, PIECES, Plan, forms_of
 from .spec import EncodingSpec
 
 __all__ = [
     "Context", "Encoding", "LatticeBias", "HOOKS", "CLAIMS", "HALF_PLANES", "NOT_SCRIPTABLE", "apply_keeping_fp32",
 ]
 
-HOOKS = ("embed", "mix", "rotate", "widen", "score", "values")
+#: the contract's hooks (the one list, :data:`vlpe.encodings.plan.PIECES`, under its public name)
+HOOKS = PIECES
 
 #: Properties an encoding may claim; :mod:`vlpe.testing` checks each claim over the whole registry.
 CLAIMS = frozenset(
@@ -176,8 +177,11 @@ class Encoding(nn.Module):
     :data:`vlpe.encodings.plan.PIECES`: the attention calls exactly these), ``supported_axes`` (allowed
     coordinate dimensionalities, None for any), ``default_num_axes``, ``needs_grid`` (True when the encoding
     reads the regular grid, e.g. a convolution), ``example`` (options of one small example configuration, used
-    by the property kit, the demo and the benchmarks), ``resampling`` (how RPE-2D may re-sample its positions),
-    implement the hooks they declare, and fill ``ctx`` in :meth:`_prepare`.
+    by the property kit, the demo and the benchmarks), implement the hooks they declare, and fill ``ctx`` in
+    :meth:`_prepare`. What serves one caller is registered with that caller, not declared here: the faster forms
+    of a ``score`` and the fast-path threshold (:mod:`vlpe.attention_forms`), the bases RPE-2D can re-sample
+    (:data:`vlpe.encodings.rpe2d.BASES`), the learned tables a timm ``pos_embed`` initialises
+    (:data:`vlpe.integrations.timm.ABSOLUTE_TABLES`).
     """
 
     name: ClassVar[str] = ""
@@ -195,18 +199,8 @@ class Encoding(nn.Module):
     #: options of one small example configuration (property kit, demo, benchmarks); ``num_axes`` comes from
     #: :meth:`axes_for` unless given here
     example: ClassVar[dict[str, Any]] = {}
-    #: how RPE-2D may re-sample this encoding's positions: None (it does not read coordinates), ``"coords"``
-    #: (it reads the coordinates it is given) or ``"rows"`` (a learned table read by grid index:
-    #: :meth:`prepare_rows`)
-    resampling: ClassVar[str | None] = None
     #: reads ``spec.num_kv_heads`` (grouped-query decoders); ``build`` rejects the option for the others
     takes_kv_heads: ClassVar[bool] = False
-    #: the attribute holding a learned absolute table ``(prefix + prod(grid), C)`` that a pretrained ViT's
-    #: ``pos_embed`` may initialise (its constructor then takes ``prefix``); None: no such table
-    absolute_table: ClassVar[str | None] = None
-    #: tokens from which ``attend(fast=None)`` takes the inference fast path for this encoding (None:
-    #: :data:`vlpe.attention.FAST_MIN_TOKENS`); lower for encodings whose reference bias is costly per pair
-    fast_min_tokens: ClassVar[int | None] = None
 
     def __new__(cls, *args: Any, **kwargs: Any) -> "Encoding":
         # checked before any subclass __init__ reads spec.dim, so ``IRPE(dim=64, ...)`` and ``IRPE(spec={...})``
@@ -235,7 +229,7 @@ class Encoding(nn.Module):
             bad = sorted(declared - allowed) if isinstance(declared, frozenset) else []
             if bad:
                 raise TypeError(f"{type(self).__name__} declares unknown {attr} {bad}; allowed: {sorted(allowed)}")
-        self.build_spec = spec  # the EncodingSpec it was built with (num_axes resolved)
+        self.spec = spec  # the EncodingSpec it was built with (num_axes resolved): the one meaning of ``spec``
         self.dim = dim
         self.num_heads = num_heads
         self.head_dim = dim // num_heads
@@ -244,7 +238,7 @@ class Encoding(nn.Module):
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
-        for hook, at in _CTX_ARG.items():  # every hook a subclass defines checks the ctx it is given
+        for hook, at in CTX_ARG.items():  # every hook a subclass defines checks the ctx it is given
             fn = cls.__dict__.get(hook)
             if callable(fn) and fn is not getattr(Encoding, hook) and not hasattr(fn, "_checks_ctx"):
                 setattr(cls, hook, _checking_ctx(fn, hook, at))
@@ -346,11 +340,6 @@ class Encoding(nn.Module):
         """The main hooks among this encoding's declared ``pieces``, in :data:`HOOKS` order (for reports)."""
         return tuple(h for h in HOOKS if h in self.pieces)
 
-    def prepare_rows(self, pos: Positions, indices: list[Tensor]) -> Context:
-        """For ``resampling = "rows"``: a context reading the learned table at grid indices ``indices``
-        (per axis ``(B, g_a)``) instead of the positions' coordinates (override)."""
-        raise NotImplementedError(f"{type(self).__name__} has no learned table to read by rows")
-
     def extra_repr(self) -> str:
         return f"dim={self.dim}, num_heads={self.num_heads}, depth={self.depth}, num_axes={self.num_axes}"
 
@@ -364,10 +353,6 @@ class Encoding(nn.Module):
             raise ValueError(
                 f"{who}: the input has {t.shape[dim]} tokens but positions describe {ctx.pos.num_tokens}"
             )
-
-
-#: hook -> index of its ``ctx`` argument (after ``self``)
-_CTX_ARG = {"embed": 1, "mix": 1, "values": 1, "rotate": 2, "widen": 2, "score": 2}
 
 
 def _checking_ctx(fn: Callable, hook: str, at: int) -> Callable:

@@ -88,7 +88,6 @@ class ComRoPE(RotaryScaling, Encoding):
 
     claims = frozenset({"relative", "neutral", "fp32_angles"})
     pieces = frozenset({"rotate"})
-    resampling = "coords"
     needs_grid = True  # coords="normalized" reads the grid extent; coords="raw" does not
 
     def __init__(

@@ -79,7 +79,6 @@ class FIRE(Encoding):
     keep_fp32 = True  # exact fp32 parameters through downcasts (see Encoding.keep_fp32)
     # the reference bias runs the MLP on every pair, the lattice table on (2h-1)(2w-1) offsets only: the fast
     # path pays from about a 14 x 14 grid on (`benchmarks/encoding_cost.py --layer --image 224 --encodings fire`)
-    fast_min_tokens = 196
 
     claims = frozenset({"relative", "neutral", "fp32_angles"})
     pieces = frozenset({"score"})

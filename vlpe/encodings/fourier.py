@@ -42,7 +42,6 @@ class LearnableFourier(AdditiveEmbedding):
     """
 
     claims = frozenset({"neutral", "extrapolation", "fp32_angles"})
-    resampling = "coords"
 
     def __init__(
         self,

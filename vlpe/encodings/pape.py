@@ -117,7 +117,6 @@ class _ParabolicBase(Encoding):
 
     claims = frozenset({"relative", "extrapolation", "neutral", "fp32_angles"})
     pieces = frozenset({"widen"})
-    resampling = "coords"
 
     def __init__(self, *, spec: EncodingSpec, prefix_position: PrefixPosition) -> None:
         super().__init__(spec=spec)

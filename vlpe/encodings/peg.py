@@ -9,6 +9,7 @@ import torch
 from torch import Tensor, nn
 
 from .base import Context, Encoding
+from .plan import LayerPlan, Plan
 from .spec import EncodingSpec
 from .registry import register
 
@@ -82,6 +83,11 @@ class PEG(Encoding):
                 f"padding='reflect' needs every grid side > {self.kernel_size // 2} (kernel {self.kernel_size}), "
                 f"got grid {grid}; use 'zeros', 'replicate' or 'circular'"
             )
+
+    def _plan(self, ctx: Context) -> Plan:
+        """``mix`` after the blocks of ``after`` only (the other layers have no piece)."""
+        layers = tuple(LayerPlan.of({"mix"} if i in self._slot else ()) for i in range(self.depth))
+        return Plan(embed=False, layers=layers)
 
     def mix(self, x: Tensor, ctx: Context, layer: int) -> Tensor:
         self.check_layer(layer)

@@ -47,11 +47,14 @@ from __future__ import annotations
 from dataclasses import dataclass, fields, replace
 from typing import Callable, Iterable
 
-__all__ = ["LayerPlan", "Plan", "PIECES", "LAYER_PIECES", "FORMS", "forms_of", "register_forms"]
+__all__ = ["LayerPlan", "Plan", "PIECES", "LAYER_PIECES", "CTX_ARG", "FORMS", "forms_of", "register_forms"]
 
-#: every piece of the contract an encoding may have; ``embed`` is per forward, the others per layer
-LAYER_PIECES = ("rotate", "widen", "score", "values", "mix")
-PIECES = ("embed",) + LAYER_PIECES
+#: the one list of the contract's hooks, in the order a forward consults them, each with the index of its ``ctx``
+#: argument after ``self``: the pieces an encoding may declare, the plan's fields and the base class's ctx checks
+#: all read it; ``embed`` is per forward, the others per layer
+CTX_ARG = {"embed": 1, "rotate": 2, "widen": 2, "score": 2, "values": 1, "mix": 1}
+PIECES = tuple(CTX_ARG)
+LAYER_PIECES = PIECES[1:]
 #: the faster forms of a ``score`` the attention backends may register for an encoding class (not declared by it)
 FORMS = ("flex", "score_heads", "lattice_bias")
 

@@ -144,7 +144,6 @@ class AxialRoPE(RotaryEncoding):
     ``scaling`` (linear / ntk / yarn, per axis) is described in :mod:`vlpe.encodings.functional.scaling`.
     """
 
-    resampling = "coords"
 
     def __init__(
         self,

@@ -86,7 +86,6 @@ class RoPEMixed(RotaryScaling, Encoding):
 
     claims = frozenset({"relative", "extrapolation", "neutral", "fp32_angles"})
     pieces = frozenset({"rotate"})
-    resampling = "coords"
 
     def __init__(
         self,

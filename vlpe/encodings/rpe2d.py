@@ -17,18 +17,53 @@ small learned, zero-initialised linear map and is added to the first prefix (CLS
 from __future__ import annotations
 
 import math
-from typing import Any, ClassVar, Sequence
+from typing import Any, Callable, ClassVar, Sequence
 
 import torch
 from torch import Tensor, nn
 
 from ..positions import Positions
+from .absolute import LearnedAPE, SinCosAPE
+from .alibi import ALiBi
 from .base import Context, Encoding
+from .comrope import ComRoPE
+from .fourier import LearnableFourier
+from .pape import _ParabolicBase
 from .plan import Plan
 from .registry import available, build, get, register
+from .rope import AxialRoPE
+from .rope_mixed import RoPEMixed
 from .spec import EncodingSpec
+from .string import CayleySTRING
 
-__all__ = ["RPE2D"]
+__all__ = ["RPE2D", "BASES", "register_base", "resampling_of"]
+
+#: ``rows(base, pos, indices) -> Context``: a base's learned table read at grid indices (per axis ``(B, g_a)``)
+RowsReader = Callable[[Encoding, Positions, "list[Tensor]"], Context]
+
+#: how RPE-2D may re-sample a base encoding's positions, per encoding class (subclasses inherit it): ``"coords"``
+#: (the base reads the coordinates it is given) or a :data:`RowsReader` of a learned table by grid index. Only
+#: RPE-2D asks this, so it lives here, not on the encoding; :func:`register_base` adds a class.
+BASES: dict[type, "str | RowsReader"] = {}
+
+
+def register_base(cls: type, how: "str | RowsReader" = "coords") -> None:
+    """Let RPE-2D wrap encoding class ``cls`` (and its subclasses): ``how`` is ``"coords"`` or a rows reader."""
+    if not (isinstance(cls, type) and issubclass(cls, Encoding)):
+        raise TypeError(f"register_base takes an Encoding class, got {cls!r}")
+    if how != "coords" and not callable(how):
+        raise ValueError(f"register_base: how must be 'coords' or a rows(base, pos, indices) reader, got {how!r}")
+    BASES[cls] = how
+
+
+def resampling_of(cls: type) -> "str | RowsReader | None":
+    """How RPE-2D may re-sample ``cls``'s positions (the nearest registered class of its MRO), or None."""
+    return next((BASES[c] for c in cls.__mro__ if c in BASES), None)
+
+
+for _cls in (AxialRoPE, RoPEMixed, ComRoPE, CayleySTRING, ALiBi, _ParabolicBase, SinCosAPE, LearnableFourier):
+    register_base(_cls, "coords")
+register_base(LearnedAPE, LearnedAPE.prepare_rows)  # RPE-2D samples rows of the table (its grid_size is the range)
 
 
 @register("rpe2d")
@@ -46,8 +81,8 @@ class RPE2D(Encoding):
     the base encoding is reproduced exactly. ``base="ape"`` reads the learned table: its ``grid_size`` is the
     expanded range and the sampled indices select table rows. ``crop=True`` adds the random-crop
     micro-conditioning to the first prefix token (zero-initialised). Claims and pieces are those of the base
-    (eval mode; ``crop=True`` adds ``embed``). Any registered encoding that reads the coordinates it is given
-    (``resampling = "coords"``) or a learned table by grid index (``"rows"``) can be the base (:meth:`bases`).
+    (eval mode; ``crop=True`` adds ``embed``). Any registered encoding whose class is in :data:`BASES` (it reads the
+    coordinates it is given, or a learned table by grid index) can be the base (:meth:`bases`).
     """
 
     needs_grid = True
@@ -87,8 +122,9 @@ class RPE2D(Encoding):
             length = (int(length),) * num_axes if isinstance(length, (int, float)) else tuple(int(s) for s in length)
             if len(length) != num_axes or any(s < 1 for s in length):
                 raise ValueError(f"length must be one positive size or {num_axes} (one per axis), got {length}")
-        self.rows = self.base.resampling == "rows"  # a learned table: sample its rows (its grid is the range)
-        if self.rows:
+        how = resampling_of(type(self.base))
+        self.rows = None if how == "coords" else how  # a learned table: sample its rows (its grid is the range)
+        if self.rows is not None:
             if expand is not None or (length is not None and length != self.base.grid_size):
                 raise ValueError(
                     f"rpe2d with base={base!r} samples rows of the table, so the expanded range is the table's "
@@ -109,7 +145,7 @@ class RPE2D(Encoding):
     @classmethod
     def bases(cls) -> tuple[str, ...]:
         """Registered encodings RPE-2D can wrap: those that declare how their positions can be re-sampled."""
-        return tuple(n for n in available() if get(n).resampling is not None and not issubclass(get(n), RPE2D))
+        return tuple(n for n in available() if resampling_of(get(n)) is not None and not issubclass(get(n), RPE2D))
 
     @classmethod
     def examples(cls) -> tuple[dict[str, Any], ...]:
@@ -192,8 +228,8 @@ class RPE2D(Encoding):
             return
         coords, picked, box = self.sample(pos)
         moved = pos.replace(coords=coords)  # no read-back: the constructor checks shapes only
-        if self.rows:
-            ctx["inner"] = self.base.prepare_rows(moved, picked)
+        if self.rows is not None:
+            ctx["inner"] = self.rows(self.base, moved, picked)
         else:
             ctx["inner"] = self.base.prepare(moved)
         ctx["box"] = box

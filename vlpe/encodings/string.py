@@ -52,7 +52,6 @@ class CayleySTRING(RotaryScaling, Encoding):
 
     claims = frozenset({"relative", "extrapolation", "neutral", "fp32_angles"})
     pieces = frozenset({"rotate"})
-    resampling = "coords"
 
     def __init__(
         self,

@@ -25,9 +25,20 @@ from torch import Tensor, nn
 
 from ..attention import attend
 from ..encodings import Context, Encoding, build, get
+from ..encodings.absolute import LearnedAPE
 from ..positions import Positions
 
-__all__ = ["convert", "ConvertedViT", "HookedAttention"]
+__all__ = ["convert", "ConvertedViT", "HookedAttention", "ABSOLUTE_TABLES", "absolute_table_of"]
+
+#: encoding class (subclasses inherit it) -> the attribute holding its learned absolute table ``([P +] h*w, C)``,
+#: which a timm ViT's ``pos_embed`` initialises in :func:`convert` (its constructor then takes ``prefix``); only the
+#: converter asks this, so it lives here, not on the encoding
+ABSOLUTE_TABLES: dict[type, str] = {LearnedAPE: "pos_embed"}
+
+
+def absolute_table_of(cls: type) -> str | None:
+    """The attribute of ``cls``'s learned absolute table (the nearest registered class of its MRO), or None."""
+    return next((ABSOLUTE_TABLES[c] for c in cls.__mro__ if c in ABSOLUTE_TABLES), None)
 
 
 class _Shared:
@@ -129,11 +140,12 @@ class ConvertedViT(nn.Module):
         ctx = enc.prepare(pos)  # once per forward, shared by every block
         self._shared.enc, self._shared.ctx = enc, ctx
         try:
-            x = enc.embed(x, ctx)
+            plan = ctx.plan  # which hooks this forward has (the attention reads the same plan)
+            x = enc.embed(x, ctx) if plan.embed else x
             x = self.model.norm_pre(x)
             for layer, blk in enumerate(self.model.blocks):
                 x = blk(x)
-                x = enc.mix(x, ctx, layer)
+                x = enc.mix(x, ctx, layer) if plan[layer].mix else x
         finally:
             self._shared.enc = self._shared.ctx = None
         return self.model.norm(x)
@@ -170,7 +182,7 @@ def convert(model: nn.Module, encoding: str | Encoding, *, inplace: bool = False
         options.setdefault("depth", len(blocks))
         options.setdefault("num_axes", 2)
         options.setdefault("grid", tuple(int(g) for g in patch_embed.grid_size))  # the training grid
-        if get(encoding).absolute_table is not None:  # a learned table: as many prefix slots as the model's
+        if absolute_table_of(get(encoding)) is not None:  # a learned table: as many prefix slots as the model's
             no_cls_slot = getattr(model, "no_embed_class", False)
             options.setdefault("prefix", 0 if no_cls_slot else int(getattr(model, "num_prefix_tokens", 0)))
         enc = build(encoding, dim=dim, num_heads=heads, **options)
@@ -179,7 +191,7 @@ def convert(model: nn.Module, encoding: str | Encoding, *, inplace: bool = False
 
         model = copy.deepcopy(model)
     pos_embed = getattr(model, "pos_embed", None)
-    if enc is not encoding and type(enc).absolute_table is not None and isinstance(pos_embed, nn.Parameter):
+    if enc is not encoding and absolute_table_of(type(enc)) is not None and isinstance(pos_embed, nn.Parameter):
         _init_table_from(enc, pos_embed.detach())
     # the old encodings are dropped: the converted model never reads them
     if pos_embed is not None:
@@ -216,7 +228,7 @@ def _check_fits(enc: Encoding, *, dim: int, heads: int, depth: int, options: dic
 
 def _init_table_from(enc: Encoding, table: Tensor) -> None:
     """Copy timm's ``pos_embed`` (1, [P +] h*w, C) into the encoding's learned absolute table ([P +] h*w, C)."""
-    target = getattr(enc, type(enc).absolute_table)
+    target = getattr(enc, absolute_table_of(type(enc)))
     src = table.reshape(-1, table.shape[-1])
     if not isinstance(target, nn.Parameter) or tuple(target.shape) != tuple(src.shape):
         got = None if target is None else tuple(target.shape)

@@ -61,7 +61,7 @@ class MultimodalRoPE(RotaryEncoding):
         scaling: Mapping[str, Any] | None = None,
     ) -> None:
         super().__init__(spec=spec, layout=layout)
-        v = self.spec
+        v = self.active_variant
         self.theta = float(v.theta if theta is None else theta)
         if self.theta <= 0:
             raise ValueError(f"theta must be > 0, got {theta}")
@@ -82,20 +82,21 @@ class MultimodalRoPE(RotaryEncoding):
             options["num_axes"] = v.num_axes()
         spec, own = resolve_spec(klass, dim=dim, num_heads=num_heads, who=f"variant {v.name or v.design!r}", **options)
         obj = klass.__new__(klass)
-        obj.__dict__["_variant"] = v  # read by ``spec`` during __init__
+        obj.__dict__["_variant"] = v  # read by ``active_variant`` during __init__
         obj.__init__(spec=spec, **own)
         return obj
 
     @property
-    def spec(self) -> Variant:
-        """The :class:`Variant` this encoding rotates with."""
+    def active_variant(self) -> Variant:
+        """The :class:`Variant` this encoding rotates with (``spec`` is the :class:`EncodingSpec` it was built from,
+        as for every encoding)."""
         v = self.__dict__.get("_variant") or type(self).variant
         if v is None:
             raise ValueError(f"{type(self).__name__} holds no variant: build it with MultimodalRoPE.of(variant, ...)")
         return v
 
     def _map(self) -> Tensor:
-        v = self.spec
+        v = self.active_variant
         need = axes_of(v.allocation, self.section, self.num_axes)
         if need is not None and need != self.num_axes:
             raise ValueError(
@@ -121,7 +122,9 @@ class MultimodalRoPE(RotaryEncoding):
         **options,
     ) -> Positions:
         """``vlpe.Positions`` of a multimodal batch for this variant (padding marked invalid)."""
-        ids, _ = _position_ids(self.spec, mm_token_type_ids, grid_thw, attention_mask, spatial_merge_size, **options)
+        ids, _ = _position_ids(
+            self.active_variant, mm_token_type_ids, grid_thw, attention_mask, spatial_merge_size, **options
+        )
         valid = None if attention_mask is None else torch.as_tensor(attention_mask).bool()
         coords = ids.permute(1, 2, 0)
         if not coords.is_floating_point():
@@ -216,7 +219,7 @@ class MultiHeadRoPE(MultimodalRoPE):
         H, Hkv = self.num_heads, self.num_kv_heads
         if Hkv is None or Hkv < 1 or H % Hkv:
             raise ValueError(f"num_kv_heads must divide num_heads={H}, got {Hkv}")
-        amap = allocation_map(self.spec.allocation, num_pairs=self.head_dim // 2, section=self.section,
+        amap = allocation_map(self.active_variant.allocation, num_pairs=self.head_dim // 2, section=self.section,
                               num_kv_heads=Hkv)  # (H_kv, D/2)
         return amap.repeat_interleave(H // Hkv, dim=0)  # (H, D/2): query head j reads KV head j // rep
 
