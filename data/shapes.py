@@ -59,15 +59,20 @@ def sample_spec(
     size_range: tuple[float, float] = (0.15, 0.6),
     backgrounds: Sequence[str] | None = tuple(BACKGROUNDS),
     size_bins: int = 5,
+    rotation: float = math.pi,
 ) -> ShapeSpec:
-    """Draw a description of a ``shape`` (the whole shape stays inside the image)."""
+    """Draw a description of a ``shape`` (the whole shape stays inside the image), turned by an angle drawn
+    uniformly from ``[-rotation, rotation]`` radians (``pi``, the default: any orientation)."""
     check_choice("shape", shape, SHAPE_CLASSES)
     lo, hi = size_range
     size = float(rng.uniform(lo, hi))
     size_bin = min(int(size_bins * (size - lo) / (hi - lo)) if hi > lo else 0, size_bins - 1)
     r = size / 2
     cy, cx = (float(c) for c in rng.uniform(r, 1 - r, size=2))
-    rotation = float(rng.uniform(0, 2 * math.pi))
+    # one uniform draw either way, so the rest of the description is the same whatever the rotation range
+    turn = float(rng.uniform(0, 2 * math.pi))
+    if rotation < math.pi:
+        turn = (turn / math.pi - 1.0) * rotation  # [0, 2 pi) mapped onto [-rotation, rotation)
     h, s, v = rng.uniform(0, 1), rng.uniform(0.6, 1.0), rng.uniform(0.65, 1.0)
     color = tuple(float(c) for c in colorsys.hsv_to_rgb(h, s, v))
     if backgrounds:
@@ -76,7 +81,7 @@ def sample_spec(
         flip = bool(rng.integers(2))
     else:
         bg, crop, flip = None, (0.0, 0.0, 1.0), False
-    return ShapeSpec(shape, (cy, cx), size, rotation, color, bg, crop, flip, size_bin)
+    return ShapeSpec(shape, (cy, cx), size, turn, color, bg, crop, flip, size_bin)
 
 
 # ----------------------------------------------------------------------------- dataset
@@ -94,6 +99,8 @@ class Shapes(Dataset):
         backgrounds: background photo names (keys of :data:`BACKGROUNDS`); None or () for plain grey.
         supersample: samples per pixel side for antialiasing.
         background_contrast: see :func:`render`.
+        rotation: each shape turns by an angle uniform in ``[-rotation, rotation]`` radians, within ``[0, pi]``
+            (``pi``: any orientation; ``0``: upright).
         transform: optional albumentations-style callable on the float32 HWC image.
         mean, std: optional per-channel normalisation of the output tensor.
     """
@@ -111,6 +118,7 @@ class Shapes(Dataset):
         backgrounds: Sequence[str] | None = tuple(BACKGROUNDS),
         supersample: int = 4,
         background_contrast: float = 0.7,
+        rotation: float = math.pi,
         transform: Callable | None = None,
         mean: float | Sequence[float] | None = None,
         std: float | Sequence[float] | None = None,
@@ -134,8 +142,11 @@ class Shapes(Dataset):
         self.supersample = check_positive_int("supersample", supersample)
         if not 0 <= background_contrast <= 1:
             raise ValueError(f"background_contrast must be in [0, 1], got {background_contrast}")
+        if isinstance(rotation, bool) or not isinstance(rotation, (int, float)) or not 0 <= rotation <= math.pi:
+            raise ValueError(f"rotation must be a number of radians in [0, pi] (pi: any orientation), got {rotation!r}")
         if (mean is None) != (std is None):
             raise ValueError("give both mean and std (or neither)")
+        self.rotation = float(rotation)
         self.split, self.seed, self.classes = split, int(seed), classes
         self.size_range, self.backgrounds = (lo, hi), backgrounds
         self.background_contrast = float(background_contrast)
@@ -166,6 +177,7 @@ class Shapes(Dataset):
             size_range=self.size_range,
             backgrounds=self.backgrounds,
             size_bins=self.size_bins,
+            rotation=self.rotation,
         )
 
     def size_bin(self, index: int) -> int:

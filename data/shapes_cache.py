@@ -36,6 +36,7 @@ import functools
 import hashlib
 import json
 import logging
+import math
 import os
 import uuid
 import warnings
@@ -81,6 +82,7 @@ def cache_key(shapes: Shapes) -> dict:
         "backgrounds": [[b, _photo_digest(b)] for b in shapes.backgrounds],
         "supersample": shapes.supersample,
         "background_contrast": float(shapes.background_contrast),
+        **({"rotation": shapes.rotation} if shapes.rotation != math.pi else {}),  # absent: any orientation
     }
 
 

@@ -109,10 +109,11 @@ MARGINS = {"top1": 5.0, "v_niah": 10.0}
 
 #: Caps in seeds per row, from the budget (``make bench`` within 4 hours on 2 idle cores, each family within 2.5):
 #: the CPU per run measured by the suite (results/timing.json) times the runs a family needs if every claim runs
-#: to its cap. ViT and Shapes-HR (about 200 s per run at 600 steps and 500 test items): 10 encodings x 5 seeds +
-#: 5 claim encodings x 5 more (ViT, 2.1 h), 3 x 5 + 2 x 5 (Shapes-HR, 0.7 h); points (about 130 s): 7 x 5 + 2 x 5
-#: (0.8 h); V-NIAH (about 50 s, its rows cheap, its per-seed spread the largest): 9 x 5 + 7 claim encodings x 15
-#: more (1.0 h). Every claim at its cap: 4.6 h; a claim decided early stops spending. The V-NIAH cap of 40 of the
+#: to its cap. ViT (about 200 s per run at 600 steps and 500 test items): 10 encodings x 5 seeds + 5 claim
+#: encodings x 5 more (ViT, 2.1 h); Shapes-HR (1,200 steps since its pilots, about 400 s): 3 x 5 + 2 x 5 (1.4 h);
+#: points (about 130 s): 7 x 5 + 2 x 5 (0.8 h); V-NIAH (about 50 s, its rows cheap, its per-seed spread the
+#: largest): 9 x 5 + 7 claim encodings x 15 more (1.0 h). Every claim at its cap: 5.3 h; a claim decided early
+#: stops spending. The V-NIAH cap of 40 of the
 #: earlier design would cost 1.9 h more; a ViT cap of 20 would cost 1.4 h more.
 CAPS = {"vit": 10, "shapes": 10, "points": 10, "vlm": 20}
 

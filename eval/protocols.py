@@ -73,9 +73,14 @@ def _plain(*names: str) -> tuple[Row, ...]:
 _VIT_MODEL = ("model.preset=micro", "model.embed_dim=64", "model.depth=4", "model.num_heads=4", "model.patch_size=4",
               "model.readout=cls", "model.label_smoothing=0.1")  # fmt: skip
 _VIT_TRAIN = ("data.train_limit=null", "data.val_limit=null", "data.holdout=1000", "data.augment=false",
-              "train.micro_batch=128", "train.lr=0.003", "train.min_lr=0.00001", "train.weight_decay=0.05",
-              "train.steps=600", "train.warmup_steps=30", "train.val_batches=8")  # fmt: skip
+              "train.micro_batch=128", "train.min_lr=0.00001", "train.weight_decay=0.05", "train.warmup_steps=30",
+              "train.val_batches=8")  # fmt: skip
 _VIT_EVAL = ("--limit", "500")
+
+
+def _schedule(lr: float, steps: int) -> tuple[str, ...]:
+    """A ViT family's peak learning rate and number of steps (the rest of the training is shared)."""
+    return (f"train.lr={lr:g}", f"train.steps={steps}")
 
 
 def _vit_items(k: int) -> tuple[str, ...]:
@@ -90,7 +95,7 @@ VIT = Protocol(
     evaluator="resolution",
     seeds=5,
     max_seeds=20,
-    train=(*_VIT_MODEL, "data.dataset=fashion_mnist", "data.img_size=28", *_VIT_TRAIN),
+    train=(*_VIT_MODEL, "data.dataset=fashion_mnist", "data.img_size=28", *_VIT_TRAIN, *_schedule(0.003, 600)),
     eval_args=_VIT_EVAL,
     seed_args=_vit_items,
     rows=_plain("nope", "ape", "peg", "rope", "rope_mixed", "lookhere", "fire", "pape", "irpe", "rpe2d")
@@ -122,7 +127,8 @@ SHAPES = Protocol(
     seeds=5,
     max_seeds=20,
     train=(*_VIT_MODEL, "data.dataset=shapes", "data.channels=3", "data.img_size=28", "data.shapes_train=20000",
-           "data.shapes_test=10000", "data.shapes_cache=true", *_VIT_TRAIN),  # fmt: skip
+           "data.shapes_test=10000", "data.shapes_cache=true", "data.shapes_size=[0.4,0.8]", "data.shapes_rotation=0",
+           *_VIT_TRAIN, *_schedule(0.001, 1200)),  # fmt: skip
     eval_args=_VIT_EVAL,
     seed_args=_vit_items,
     rows=_plain("ape", "peg", "peg_gap"),
@@ -132,8 +138,15 @@ SHAPES = Protocol(
         "Data: Shapes-HR (`data/shapes.py`: 10 procedural shape classes on crops of scikit-image's public-domain "
         "photos), rendered natively at every size, so a larger test image has real detail, not an upsampled copy "
         "(the confound LookHere's ImageNet-HR avoids). Renders are made once and cached (`data/shapes_cache.py`, "
-        "8-bit like a photo). 20,000 training renders at 28 px; the last 1,000 validate.",
-        "Model and training: the ViT family's (4 blocks of width 64, patch 4, CLS readout, 600 steps of batch 128).",
+        "8-bit like a photo). 20,000 training renders at 28 px; the last 1,000 validate. Shapes are upright and "
+        "0.4-0.8 of the image side (11-22 px at 28 px).",
+        "Model and training: the ViT family's model (4 blocks of width 64, patch 4, CLS readout) and batch 128, with "
+        "lr 1e-3 and 1,200 steps. Why: with the ViT family's setting (shapes 0.15-0.6 of the side at any "
+        "orientation, lr 3e-3, 600 steps) `ape` stayed near chance (validation 16.7 % at step 600). Pilots of the "
+        "`ape` row only, on seed 99 (not a benchmark seed), judged by validation accuracy alone and run before any "
+        "record of this family: larger shapes 26.5 % (lr 1e-3) / 19.4 % (lr 3e-3); upright and larger 33.6 % at 600 "
+        "steps, 59.1 % at step 1,050 of 1,200 (plain grey backgrounds instead of photos: 43.0 % at 600; 56 px with "
+        "patch 8: 33.5 %). 1,200 steps of 128 are 8 epochs of the 19,000 training renders.",
         "Rows: ape (learned absolute, bicubic resampling at test), peg (CPVT's PEG after block 0, CLS readout: "
         "the row the PEG-vs-APE claim reads, same readout as ape), peg_gap (CPVT's best model, global average "
         "pooling instead of CLS: shown, not claimed).",

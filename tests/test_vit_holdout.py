@@ -259,3 +259,53 @@ def test_shapes_evaluation_reads_the_test_split(protocol):
     assert bins is not None and bins[0].tolist() == [test16.size_bin(i) for i in range(5)]
     val = build_datasets(data)[1]
     assert isinstance(val, Subset) and val.dataset.split == "train"  # training validates on its own tail
+
+
+# --------------------------------------------------------------------------- Shapes-HR size and orientation knobs
+def _unwrap(ds):
+    while not isinstance(ds, Shapes):
+        ds = getattr(ds, "dataset", None) or getattr(ds, "source", None) or getattr(ds, "shapes")
+    return ds
+
+
+def test_shapes_rotation_keeps_every_other_draw_and_bounds_the_turn():
+    import math
+
+    free = Shapes(200, resolution=16, split="train")
+    upright = Shapes(200, resolution=16, split="train", rotation=0.0)
+    tilted = Shapes(200, resolution=16, split="train", rotation=math.radians(15))
+    for i in range(200):
+        a, b, c = free.spec(i), upright.spec(i), tilted.spec(i)
+        assert b.rotation == 0.0 and abs(c.rotation) <= math.radians(15) + 1e-12
+        assert 0.0 <= a.rotation < 2 * math.pi
+        # one uniform draw either way: centre, size, colour and background are the same sample
+        assert replace(b, rotation=a.rotation) == a and replace(c, rotation=a.rotation) == a
+    turns = [tilted.spec(i).rotation for i in range(200)]
+    assert min(turns) < -math.radians(10) and max(turns) > math.radians(10)  # spread over the whole range
+    with pytest.raises(ValueError, match="rotation must be"):
+        Shapes(10, rotation=4.0)
+
+
+def test_shapes_knobs_reach_every_split_and_the_cache_key():
+    from data.shapes_cache import cache_key
+
+    data = DataSection(dataset="shapes", channels=3, img_size=16, shapes_train=40, shapes_test=30, holdout=10,
+                       shapes_size=[0.4, 0.8], shapes_rotation=0)  # fmt: skip
+    for split in ("val", "test"):
+        train, held, _ = build_datasets(data, split=split)
+        for ds in (train, held):
+            s = _unwrap(ds)
+            assert s.size_range == (0.4, 0.8) and s.rotation == 0.0
+    default = Shapes(40, resolution=16)
+    assert "rotation" not in cache_key(default)  # the default's cache files keep their names
+    assert cache_key(default) != cache_key(Shapes(40, resolution=16, rotation=0.0))
+    assert cache_key(default) != cache_key(Shapes(40, resolution=16, size_range=(0.4, 0.8)))
+
+
+@pytest.mark.parametrize(
+    "bad", [{"shapes_size": [0.8, 0.4]}, {"shapes_size": [0.0, 0.5]}, {"shapes_size": 0.5},
+            {"shapes_rotation": 181}, {"shapes_rotation": -1}, {"shapes_rotation": True}],
+)  # fmt: skip
+def test_bad_shapes_knobs_are_config_errors(bad):
+    with pytest.raises(ConfigError, match="data.shapes_"):
+        DataSection(dataset="shapes", channels=3, **bad)

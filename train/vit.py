@@ -11,6 +11,7 @@ The default configs are CPU-sized (Fashion-MNIST at 28 px, a 4-block ViT, a few 
 from __future__ import annotations
 
 import copy
+import math
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Any, Literal
@@ -56,6 +57,9 @@ class DataSection:
     shapes_val: int = 2000  # the 'val' split: the validation set when holdout = 0
     shapes_test: int = 10000  # the 'test' split: what evaluation reads
     shapes_cache: bool = False  # read Shapes-HR renders from the cache of data/shapes_cache.py ($VLPE_CACHE)
+    shapes_size: tuple[float, float] = (0.15, 0.6)  # Shapes-HR: (min, max) shape diameter, fraction of the side
+    shapes_backgrounds: list[str] | None = None  # Shapes-HR background photos (None: all of data.shapes.BACKGROUNDS)
+    shapes_rotation: float = 180.0  # Shapes-HR: each shape turns by up to +-this many degrees (180: any; 0: upright)
 
     def __post_init__(self) -> None:
         for name in ("train_limit", "val_limit"):
@@ -71,6 +75,23 @@ class DataSection:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ConfigError(f"data.{name} must be an integer >= 1 (samples of that Shapes split), got {value!r}")
+        size = self.shapes_size
+        if (
+            not isinstance(size, (list, tuple)) or len(size) != 2
+            or not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in size)
+            or not 0 < size[0] <= size[1] <= 1
+        ):  # fmt: skip
+            raise ConfigError(
+                f"data.shapes_size must be [min, max] shape diameters as fractions of the image side with "
+                f"0 < min <= max <= 1, e.g. [0.15, 0.6], got {size!r}"
+            )
+        self.shapes_size = (float(size[0]), float(size[1]))
+        turn = self.shapes_rotation
+        if isinstance(turn, bool) or not isinstance(turn, (int, float)) or not 0 <= turn <= 180:
+            raise ConfigError(
+                f"data.shapes_rotation must be a number of degrees in [0, 180] (180: any orientation, 0: upright), "
+                f"got {turn!r}"
+            )
 
 
 @dataclass(kw_only=True)
@@ -182,11 +203,16 @@ def build_datasets(
 
         if data.channels != 3:
             raise ConfigError(f"data.dataset=shapes renders RGB images: set data.channels=3 (got {data.channels})")
-        train = Shapes(num_samples=data.shapes_train, resolution=size, split="train")
+        drawn: dict = dict(resolution=size, size_range=data.shapes_size)
+        if data.shapes_rotation != 180:
+            drawn["rotation"] = math.radians(data.shapes_rotation)
+        if data.shapes_backgrounds is not None:
+            drawn["backgrounds"] = tuple(data.shapes_backgrounds)
+        train = Shapes(num_samples=data.shapes_train, split="train", **drawn)
         val = (
-            Shapes(num_samples=data.shapes_test, resolution=size, split="test") if split == "test"
+            Shapes(num_samples=data.shapes_test, split="test", **drawn) if split == "test"
             else None if data.holdout
-            else Shapes(num_samples=data.shapes_val, resolution=size, split="val")
+            else Shapes(num_samples=data.shapes_val, split="val", **drawn)
         )  # fmt: skip
         if data.shapes_cache:
             from data.shapes_cache import cached_shapes
