@@ -57,7 +57,8 @@ class DataSection:
     shapes_val: int = 2000  # the 'val' split: the validation set when holdout = 0
     shapes_test: int = 10000  # the 'test' split: what evaluation reads
     shapes_cache: bool = False  # read Shapes-HR renders from the cache of data/shapes_cache.py ($VLPE_CACHE)
-    shapes_size: tuple[float, float] = (0.15, 0.6)  # Shapes-HR: (min, max) shape diameter, fraction of the side
+    shapes_size: list[float] = field(default_factory=lambda: [0.15, 0.6])  # Shapes-HR: [min, max] shape diameter,
+    # as fractions of the image side
     shapes_backgrounds: list[str] | None = None  # Shapes-HR background photos (None: all of data.shapes.BACKGROUNDS)
     shapes_rotation: float = 180.0  # Shapes-HR: each shape turns by up to +-this many degrees (180: any; 0: upright)
 
@@ -85,7 +86,7 @@ class DataSection:
                 f"data.shapes_size must be [min, max] shape diameters as fractions of the image side with "
                 f"0 < min <= max <= 1, e.g. [0.15, 0.6], got {size!r}"
             )
-        self.shapes_size = (float(size[0]), float(size[1]))
+        self.shapes_size = [float(size[0]), float(size[1])]
         turn = self.shapes_rotation
         if isinstance(turn, bool) or not isinstance(turn, (int, float)) or not 0 <= turn <= 180:
             raise ConfigError(
@@ -203,7 +204,7 @@ def build_datasets(
 
         if data.channels != 3:
             raise ConfigError(f"data.dataset=shapes renders RGB images: set data.channels=3 (got {data.channels})")
-        drawn: dict = dict(resolution=size, size_range=data.shapes_size)
+        drawn: dict = dict(resolution=size, size_range=tuple(data.shapes_size))
         if data.shapes_rotation != 180:
             drawn["rotation"] = math.radians(data.shapes_rotation)
         if data.shapes_backgrounds is not None:
