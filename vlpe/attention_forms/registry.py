@@ -26,6 +26,7 @@ from torch import Tensor
 
 from ..encodings import plan as _plan
 from ..encodings.base import Context, Encoding, LatticeBias
+from ..encodings.registry import by_class
 
 __all__ = [
     "FAST_FORMS", "FLEX_FORMS", "FORM_NAMES", "FastForm", "FlexForm", "clear_prefix", "fast_form", "fast_form_of",
@@ -102,22 +103,16 @@ def flex_form(cls: type, *, when: Callable[[Encoding], bool] | None = None):
     return register
 
 
-def _lookup(table: dict, enc_or_cls) -> Any:
-    cls = enc_or_cls if isinstance(enc_or_cls, type) else type(enc_or_cls)
-    for c in cls.__mro__:
-        if c in table:
-            return table[c]
-    return None
 
 
 def fast_form_of(enc: Encoding) -> FastForm | None:
     """The fast forms registered for ``enc``'s class (the nearest class of its MRO), or None."""
-    return _lookup(FAST_FORMS, enc)
+    return by_class(FAST_FORMS, enc)
 
 
 def flex_form_of(enc: Encoding) -> FlexForm | None:
     """The FlexAttention form registered for ``enc``'s class, or None."""
-    entry = _lookup(FLEX_FORMS, enc)
+    entry = by_class(FLEX_FORMS, enc)
     return None if entry is None else entry[0]
 
 
@@ -131,7 +126,7 @@ def forms_of(enc: Encoding) -> frozenset[str]:
             out.add("lattice_bias")
         if fast.heads is not None and (fast.heads_when is None or fast.heads_when(enc)):
             out.add("score_heads")
-    flex = _lookup(FLEX_FORMS, enc)
+    flex = by_class(FLEX_FORMS, enc)
     if flex is not None and (flex[1] is None or flex[1](enc)):
         out.add("flex")
     return frozenset(out)

@@ -14,7 +14,7 @@ from typing import Any, Callable, TypeVar
 from .base import Encoding
 from .spec import SPEC_FIELDS, EncodingSpec
 
-__all__ = ["register", "available", "build", "construct", "get", "options_of"]
+__all__ = ["register", "available", "build", "construct", "get", "options_of", "by_class"]
 
 E = TypeVar("E", bound=type[Encoding])
 
@@ -55,6 +55,13 @@ def register_preset(name: str, base: str, **defaults: Any) -> None:
     """Register ``name`` as ``base`` with different default options."""
     entry = get_entry(base)
     register(name, defaults={**entry.defaults, **defaults})(entry.cls)
+
+
+def by_class(table: dict, enc_or_cls: Any) -> Any:
+    """The entry of a per-class table (the caller-side registries: fast forms, RPE-2D bases, timm tables) for an
+    encoding or class: that of the nearest class of its MRO, so subclasses inherit it; None when none is registered."""
+    cls = enc_or_cls if isinstance(enc_or_cls, type) else type(enc_or_cls)
+    return next((table[c] for c in cls.__mro__ if c in table), None)
 
 
 def available() -> list[str]:

@@ -30,7 +30,7 @@ from .comrope import ComRoPE
 from .fourier import LearnableFourier
 from .pape import _ParabolicBase
 from .plan import Plan
-from .registry import available, build, get, register
+from .registry import available, build, by_class, get, register
 from .rope import AxialRoPE
 from .rope_mixed import RoPEMixed
 from .spec import EncodingSpec
@@ -58,7 +58,7 @@ def register_base(cls: type, how: "str | RowsReader" = "coords") -> None:
 
 def resampling_of(cls: type) -> "str | RowsReader | None":
     """How RPE-2D may re-sample ``cls``'s positions (the nearest registered class of its MRO), or None."""
-    return next((BASES[c] for c in cls.__mro__ if c in BASES), None)
+    return by_class(BASES, cls)
 
 
 for _cls in (AxialRoPE, RoPEMixed, ComRoPE, CayleySTRING, ALiBi, _ParabolicBase, SinCosAPE, LearnableFourier):

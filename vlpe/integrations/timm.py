@@ -26,6 +26,7 @@ from torch import Tensor, nn
 from ..attention import attend
 from ..encodings import Context, Encoding, build, get
 from ..encodings.absolute import LearnedAPE
+from ..encodings.registry import by_class
 from ..positions import Positions
 
 __all__ = ["convert", "ConvertedViT", "HookedAttention", "ABSOLUTE_TABLES", "absolute_table_of"]
@@ -38,7 +39,7 @@ ABSOLUTE_TABLES: dict[type, str] = {LearnedAPE: "pos_embed"}
 
 def absolute_table_of(cls: type) -> str | None:
     """The attribute of ``cls``'s learned absolute table (the nearest registered class of its MRO), or None."""
-    return next((ABSOLUTE_TABLES[c] for c in cls.__mro__ if c in ABSOLUTE_TABLES), None)
+    return by_class(ABSOLUTE_TABLES, cls)
 
 
 class _Shared:
