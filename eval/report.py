@@ -33,7 +33,7 @@ from common import markdown_table, write_json
 from plots import heat_grids, plot_claims, plot_points, plot_vit, plot_vlm, plot_vlm_heatmaps
 from protocols import FAMILIES, PROTOCOLS, VLM_CLAIM_RANGE, describe
 from sequential import next_look_runs
-from suite import Job, load_records, plan, record_ok, run_jobs
+from suite import Job, load_records, plan, record_ok, run_jobs, stop_on_sigterm
 
 __all__ = ["START", "END", "CORES", "report", "timing", "readme_section", "update_readme", "main"]
 
@@ -144,8 +144,8 @@ def timing(records: dict[str, list[dict]], planned: dict[str, int]) -> dict[str,
             "complete": complete}  # fmt: skip
 
 
-def report(results: Path, *, readme: Path | None, families: Sequence[str] = FAMILIES, reps: int | None = None,
-           last_wall_s: float | None = None) -> dict[str, Any]:  # fmt: skip
+def report(results: Path, *, readme: Path | None, families: Sequence[str] = FAMILIES,
+           reps: int | None = None) -> dict[str, Any]:  # fmt: skip
     """Aggregate the records of ``families`` (the others keep their entries in summary.json)."""
     summary_path = results / "summary.json"
     old = json.loads(summary_path.read_text()) if summary_path.is_file() else {}
@@ -177,10 +177,6 @@ def report(results: Path, *, readme: Path | None, families: Sequence[str] = FAMI
     t = timing(records, planned)
     prev = json.loads((results / "timing.json").read_text()) if (results / "timing.json").is_file() else {}
     t["invocations"] = prev.get("invocations", [])
-    if last_wall_s is not None:
-        t["last_wall_s"] = last_wall_s
-    elif prev.get("last_wall_s") is not None:
-        t["last_wall_s"] = prev["last_wall_s"]
     write_json(results / "timing.json", t)
     section = readme_section(summary, claims, t)
     (results / "README.md").write_text(section)
@@ -257,8 +253,11 @@ def _timing_text(t: dict[str, Any]) -> str:
     scope = "the whole planned suite" if t["complete"] else "the planned suite (families without runs excluded)"
     text += (f" Estimated cost of {scope}: {t['cpu_h']:.2f} CPU-hours, i.e. {t['estimate_h']:.2f} h on {t['cores']} "
              f"idle cores.")  # fmt: skip
-    if t.get("last_wall_s"):
-        text += f" The last `--suite` invocation took {t['last_wall_s'] / 60:.0f} min wall (runs present are reused)."
+    if t.get("invocations"):
+        last = t["invocations"][-1]
+        text += (f" The last `--suite` invocation ({'+'.join(last['families'])}, {last['date'][:10]}) took "
+                 f"{last['wall_s'] / 60:.0f} min wall and completed {last['runs']} runs"
+                 + (", stopped before the end" if last.get("interrupted") else "") + " (runs present are reused).")
     from claims import fingerprint
 
     mine = [i for i in t.get("invocations", []) if i.get("claims_protocol") == fingerprint() and i.get("runs")]
@@ -303,10 +302,11 @@ def next_look_jobs(claims: Sequence[dict], families: Sequence[str], *, runs_dir:
     return [want[k] for k in sorted(want, key=lambda k: (k[2], k[0], k[1]))]  # seed-major
 
 
-def log_invocation(results: Path, *, families: Sequence[str], jobs: int, runs: int, wall_s: float) -> None:
-    """Append one ``--suite`` invocation (families, runs it trained or evaluated, wall seconds, the claims
-    protocol, the machine) to ``results/timing.json``'s ``invocations``: the measured cost of ``make bench`` is
-    the sum of its invocations under one protocol, a resumed one included."""
+def log_invocation(results: Path, *, families: Sequence[str], jobs: int, runs: int, wall_s: float,
+                   interrupted: bool = False) -> None:  # fmt: skip
+    """Append one ``--suite`` invocation (families, runs it completed, wall seconds, the claims protocol, the
+    machine, whether it was stopped before the end) to ``results/timing.json``'s ``invocations``: the measured cost
+    of ``make bench`` is the sum of its invocations under one protocol, resumed and stopped ones included."""
     from claims import fingerprint
     from suite import provenance
 
@@ -316,7 +316,7 @@ def log_invocation(results: Path, *, families: Sequence[str], jobs: int, runs: i
     t.setdefault("invocations", []).append({
         "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "families": list(families), "jobs": jobs,
         "runs": runs, "wall_s": round(wall_s, 1), "claims_protocol": fingerprint(), "commit": prov["commit"],
-        "cpu": prov["cpu"], "cores": os.cpu_count()})  # fmt: skip
+        "cpu": prov["cpu"], "cores": os.cpu_count(), **({"interrupted": True} if interrupted else {})})  # fmt: skip
     write_json(path, t)
 
 
@@ -351,7 +351,6 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"{fam} {row} seed {seed}" + (f" (a run of {enc})" if enc != row else ""))
         return 0
     readme = Path(args.readme) if args.readme else None
-    wall = None
     failed: list[str] = []
     if args.suite:
         jobs = plan(args.families, encodings=args.encodings, seeds=args.seeds, runs_dir=Path(args.runs),
@@ -360,30 +359,43 @@ def main(argv: Sequence[str] | None = None) -> int:
             p.error("nothing to run: no config matches --families / --encodings")
         sequential = args.encodings is None and args.seeds is None and not args.first_look
         t0 = time.perf_counter()
-        ran = 0
-        while jobs:
-            todo = [j for j in jobs if args.fresh or not record_ok(j)]
-            print(f"[suite] {len(jobs)} jobs ({len(todo)} to run): " + ", ".join(
-                f"{fam} {sum(j.family == fam for j in jobs)}" for fam in args.families), flush=True)  # fmt: skip
-            failed += run_jobs(jobs, jobs_at_once=args.jobs, fresh=args.fresh, reevaluate=args.reevaluate,
-                               progress=not args.no_progress)  # fmt: skip
-            ran += len(todo)
-            if failed or not sequential:
-                break
-            # the next look: the seeds the open claims of these families need (none once every claim is decided,
-            # at its cap, or waiting for a look that another family's rows hold back)
-            claims = evaluate_claims({f: load_records(results, f) for f in FAMILIES}, reps=2)
-            jobs = next_look_jobs(claims, args.families, runs_dir=Path(args.runs), results_dir=results)
-            args.fresh = False  # --fresh redoes the first planned runs only
-            waiting = sorted({fam for fam, _, _ in next_look_runs(claims, CLAIMS)} - set(args.families))
-            if not jobs and waiting:
-                print(f"[suite] the next look waits for runs of {', '.join(waiting)} (make bench FAMILY=...)",
-                      flush=True)  # fmt: skip
+        done: set[str] = set()  # the jobs of this invocation that now have a record
+        interrupted = False
+        try:
+            with stop_on_sigterm():
+                while jobs:
+                    todo = [j for j in jobs if args.fresh or not record_ok(j)]
+                    print(f"[suite] {len(jobs)} jobs ({len(todo)} to run): " + ", ".join(
+                        f"{fam} {sum(j.family == fam for j in jobs)}" for fam in args.families), flush=True)  # fmt: skip
+                    try:
+                        failed += run_jobs(jobs, jobs_at_once=args.jobs, fresh=args.fresh, reevaluate=args.reevaluate,
+                                           progress=not args.no_progress)  # fmt: skip
+                    finally:
+                        done |= {j.key for j in todo if record_ok(j)}
+                    if failed or not sequential:
+                        break
+                    # the next look: the seeds the open claims of these families need (none once every claim is
+                    # decided, at its cap, or waiting for a look that another family's rows hold back)
+                    claims = evaluate_claims({f: load_records(results, f) for f in FAMILIES}, reps=2)
+                    jobs = next_look_jobs(claims, args.families, runs_dir=Path(args.runs), results_dir=results)
+                    args.fresh = False  # --fresh redoes the first planned runs only
+                    waiting = sorted({fam for fam, _, _ in next_look_runs(claims, CLAIMS)} - set(args.families))
+                    if not jobs and waiting:
+                        print(f"[suite] the next look waits for runs of {', '.join(waiting)} "
+                              "(make bench FAMILY=...)", flush=True)  # fmt: skip
+        except KeyboardInterrupt:
+            interrupted = True
         wall = time.perf_counter() - t0
-        log_invocation(results, families=args.families, jobs=args.jobs, runs=ran, wall_s=wall)
+        log_invocation(results, families=args.families, jobs=args.jobs, runs=len(done), wall_s=wall,
+                       interrupted=interrupted)  # fmt: skip
+        if interrupted:
+            print(f"[suite] stopped after {wall / 60:.1f} min ({len(done)} runs completed, logged in "
+                  f"{results / 'timing.json'}); the runs in flight resume from their checkpoints next time; "
+                  "no report written", file=sys.stderr)  # fmt: skip
+            return 130
         for f in failed:
             print(f"[suite] {f}", file=sys.stderr)
-    out = report(results, readme=readme, families=args.families, last_wall_s=wall)
+    out = report(results, readme=readme, families=args.families)
     print((results / "README.md").read_text())
     return 1 if failed or not out else 0
 

@@ -11,6 +11,11 @@ one's records, :func:`sequential.select_records`) and its provenance (:func:`pro
 versions, CPU model, threads). A record is reused when its
 training fingerprint (overrides + config files) and evaluation arguments match the protocol; ``--fresh``
 redoes it. Jobs run ``jobs`` at a time with one thread each (the fastest use of a small CPU machine).
+
+An interrupted suite (Ctrl-C, or SIGTERM while :func:`stop_on_sigterm` is active) stops its child runs, starts no
+new one and re-raises :class:`KeyboardInterrupt`; a run in flight resumes from its last checkpoint next time, and
+the CPU time its stopped training attempt spent is kept in the run's ``timing.json`` (a resumed run's record counts
+every attempt).
 """
 
 from __future__ import annotations
@@ -18,19 +23,22 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Iterator, Sequence
 
 from claims import fingerprint as claims_fingerprint
 from protocols import PROTOCOLS, ROOT, Protocol, config_path, train_fingerprint
 
 __all__ = ["Job", "plan", "record_path", "record_ok", "load_records", "run_jobs", "job_command_train", "job_command_eval",
-           "provenance"]
+           "provenance", "stop_on_sigterm"]
 
 
 @dataclass(frozen=True)
@@ -131,14 +139,65 @@ def _child_env(threads: int) -> dict[str, str]:
     return env
 
 
+_LIVE: set[subprocess.Popen] = set()  # the child runs in flight
+_LIVE_LOCK = threading.Lock()
+_STOPPING = threading.Event()  # set by an interrupted run_jobs: no new child starts
+STOP_GRACE_S = 20.0  # a stopped child gets this long to exit after SIGTERM before SIGKILL
+
+
 def run_logged(cmd: Sequence[str], log: Path, *, env: dict[str, str]) -> tuple[int, float, float]:
-    """Run ``cmd`` with output to ``log``; (exit status, wall seconds, CPU seconds of it and its children)."""
+    """Run ``cmd`` with output to ``log``; (exit status, wall seconds, CPU seconds of it and its children).
+    While the suite is stopping nothing starts: the status is then ``-SIGTERM`` with no time spent."""
     log.parent.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
     with log.open("w") as f:
-        proc = subprocess.Popen(list(cmd), cwd=ROOT, env=env, stdout=f, stderr=subprocess.STDOUT)
-        _, status, usage = os.wait4(proc.pid, 0)
-    return os.waitstatus_to_exitcode(status), time.perf_counter() - t0, usage.ru_utime + usage.ru_stime
+        with _LIVE_LOCK:
+            if _STOPPING.is_set():
+                return -signal.SIGTERM, 0.0, 0.0
+            proc = subprocess.Popen(list(cmd), cwd=ROOT, env=env, stdout=f, stderr=subprocess.STDOUT)
+            _LIVE.add(proc)
+        try:
+            _, status, usage = os.wait4(proc.pid, 0)
+            proc.returncode = os.waitstatus_to_exitcode(status)  # reaped here: Popen must not signal the pid again
+        finally:
+            with _LIVE_LOCK:
+                _LIVE.discard(proc)
+    return proc.returncode, time.perf_counter() - t0, usage.ru_utime + usage.ru_stime
+
+
+def _stop_children() -> None:
+    """Start no new child run and stop those in flight (SIGTERM, then SIGKILL after ``STOP_GRACE_S``)."""
+    with _LIVE_LOCK:
+        _STOPPING.set()
+        live = list(_LIVE)
+        for proc in live:
+            if proc.returncode is None:
+                proc.terminate()
+    deadline = time.monotonic() + STOP_GRACE_S
+    while time.monotonic() < deadline:
+        with _LIVE_LOCK:
+            if not _LIVE:
+                return
+        time.sleep(0.05)
+    with _LIVE_LOCK:
+        for proc in _LIVE:
+            if proc.returncode is None:
+                proc.kill()
+
+
+@contextmanager
+def stop_on_sigterm() -> Iterator[None]:
+    """Within the block SIGTERM raises :class:`KeyboardInterrupt` in the main thread (as Ctrl-C does), so an
+    interrupted suite stops its runs and logs itself instead of dying mid-way; the old handler is restored after."""
+
+    def _raise(signum, frame):
+        raise KeyboardInterrupt(f"signal {signum}")
+
+    old = signal.signal(signal.SIGTERM, _raise)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, old)
 
 
 def record_ok(job: Job) -> bool:
@@ -236,12 +295,13 @@ def execute(
     if not weights.is_file():
         status[job.key] = "train"
         rc, wall, cpu = run_logged(job_command_train(job), run_dir / "train.log", env=env)
+        prev = timing.get("train", {"wall_s": 0.0, "cpu_s": 0.0})  # a resumed run adds its earlier attempts
+        timing["train"] = {"wall_s": wall + prev["wall_s"], "cpu_s": cpu + prev["cpu_s"]}
+        if wall > 0:  # every attempt's cost is kept, a stopped or failed one included
+            run_dir.mkdir(parents=True, exist_ok=True)
+            timing_path.write_text(json.dumps(timing))
         if rc != 0 or not weights.is_file():
             return f"training failed (exit {rc}); see {run_dir / 'train.log'}"
-        prev = timing.get("train", {"wall_s": 0.0, "cpu_s": 0.0})  # a resumed run adds its earlier attempt
-        timing["train"] = {"wall_s": wall + prev["wall_s"], "cpu_s": cpu + prev["cpu_s"]}
-        run_dir.mkdir(parents=True, exist_ok=True)
-        timing_path.write_text(json.dumps(timing))
         shutil.rmtree(run_dir / "checkpoints", ignore_errors=True)  # the export is the product
     status[job.key] = "eval"
     out = run_dir / "eval"
@@ -284,7 +344,9 @@ def run_jobs(
     status: dict[str, str] = {}
     errors: list[str] = []
     t0 = time.perf_counter()
-    with ThreadPoolExecutor(max_workers=jobs_at_once) as pool:
+    _STOPPING.clear()
+    pool = ThreadPoolExecutor(max_workers=jobs_at_once)
+    try:
         futures = {
             pool.submit(execute, j, fresh=fresh, threads=threads, status=status, reevaluate=reevaluate): j
             for j in jobs
@@ -299,6 +361,12 @@ def run_jobs(
             if progress:
                 print(f"[suite] {done}/{len(jobs)} {j.key} {'FAILED: ' + err if err else 'done'} "
                       f"({(time.perf_counter() - t0) / 60:.1f} min)", flush=True)  # fmt: skip
+    except BaseException:  # Ctrl-C / SIGTERM: no job is left running behind the interpreter's back
+        pool.shutdown(wait=False, cancel_futures=True)
+        _stop_children()
+        pool.shutdown(wait=True)
+        raise
+    pool.shutdown(wait=True)
     return errors
 
 

@@ -410,3 +410,58 @@ def test_suite_runs_import_the_checkout_that_runs_them(tmp_path, monkeypatch):
                          timeout=120)  # fmt: skip
     assert out.returncode == 0, out.stderr
     assert all(line.startswith(str(suite.ROOT)) for line in out.stdout.split()), out.stdout
+
+
+def test_a_stopped_suite_stops_its_runs_keeps_their_cost_and_logs_itself(tmp_path):
+    """SIGTERM to ``report.py --suite`` (a session's end, a scheduler's preemption) stops the training in flight,
+    starts nothing new, keeps the stopped attempt's time in the run's timing.json (the resumed run's record counts
+    it) and appends the invocation to results/timing.json marked ``interrupted``; the old code died without logging
+    and left its child running."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    results, runs, pidfile = tmp_path / "results", tmp_path / "runs", tmp_path / "child.pid"
+    child = f"import os, time; open({str(pidfile)!r}, 'w').write(str(os.getpid())); time.sleep(600)"
+    driver = (
+        "import sys, suite, report\n"
+        f"suite.job_command_train = lambda job: [sys.executable, '-c', {child!r}]\n"
+        f"sys.exit(report.main(['--suite', '--families', 'vlm', '--encodings', 'mrope', 'videorope', '--seeds', '1',"
+        f" '--jobs', '1', '--results', {str(results)!r}, '--runs', {str(runs)!r}, '--readme', '', '--no-progress']))\n"
+    )  # fmt: skip
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "eval"), str(ROOT)])}
+    proc = subprocess.Popen([sys.executable, "-c", driver], cwd=tmp_path, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)  # fmt: skip
+    try:
+        deadline = time.monotonic() + 120
+        while not (pidfile.is_file() and pidfile.read_text()) and time.monotonic() < deadline:
+            assert proc.poll() is None, proc.communicate()
+            time.sleep(0.1)
+        child_pid = int(pidfile.read_text())
+        time.sleep(0.5)
+        proc.send_signal(signal.SIGTERM)
+        out, err = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    assert proc.returncode == 130, err
+    assert "stopped after" in err and "resume from their checkpoints" in err
+    with pytest.raises(ProcessLookupError):
+        os.kill(child_pid, 0)  # the training run in flight was stopped (and reaped), not orphaned
+    inv = json.loads((results / "timing.json").read_text())["invocations"]
+    assert len(inv) == 1 and inv[0]["interrupted"] is True and inv[0]["runs"] == 0 and inv[0]["wall_s"] > 0
+    (job,) = [j for j in suite.plan(["vlm"], encodings=["mrope"], seeds=1, runs_dir=runs, results_dir=results)]
+    spent = json.loads((job.run_dir / "timing.json").read_text())["train"]
+    assert spent["wall_s"] >= 0.5  # the stopped attempt's cost is kept for the resumed record
+    other = suite.plan(["vlm"], encodings=["videorope"], seeds=1, runs_dir=runs, results_dir=results)[0]
+    assert not other.run_dir.exists()  # the queued job never started
+
+
+def test_the_last_invocation_line_reads_the_log_a_stopped_one_included():
+    t = report.timing({}, {})
+    t["invocations"] = [
+        {"date": "2026-01-01T00:00:00Z", "families": ["points"], "runs": 11, "wall_s": 1800.0},
+        {"date": "2026-01-02T00:00:00Z", "families": ["vit"], "runs": 9, "wall_s": 1254.0, "interrupted": True},
+    ]
+    text = report._timing_text(t)
+    assert "last `--suite` invocation (vit, 2026-01-02) took 21 min wall and completed 9 runs, stopped" in text
