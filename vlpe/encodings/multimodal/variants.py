@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field, replace
 from typing import Any, Mapping, Sequence
 
@@ -313,18 +314,26 @@ def merge_grids(
     flat = types.reshape(-1)
     if attention_mask is not None:
         flat = torch.where(torch.as_tensor(attention_mask, device=device).reshape(-1).bool(), flat, 0)
-    Ri = images.shape[0]
+    sel, kind_col, kinds = _merge_consts(images.shape[0], videos.shape[0], device)
     grids = torch.cat([images, videos])  # (R, 3)
-    n = torch.floor_divide(grids, merge_divisor(m, device)).prod(-1)  # (R,) tokens per row: T (H / m) (W / m)
-    ends = n.cumsum(0)
-    starts = ends - n  # (R,) tokens of the row's modality before it (videos: less all the image tokens)
-    starts[Ri:] -= ends[Ri - 1]
-    first = torch.cat([  # (R,) flat index of each row's first token, by counting the tokens of its modality
-        torch.searchsorted((flat == kind).cumsum(0), starts[lo:hi], right=True)
-        for kind, lo, hi in ((1, 0, Ri), (2, Ri, None))
-    ])
+    per = torch.floor_divide(grids, merge_divisor(m, device)).prod(-1) * sel  # (2, R) tokens, in its modality's row
+    starts = per.cumsum(1) - per  # (2, R) tokens of the row's modality before it (the other row unused)
+    counts = (flat == kind_col).cumsum(1)  # (2, B S) image / video tokens up to each index
+    # (R,) flat index of each row's first token, by counting the tokens of its modality (both modalities in one
+    # batched search; the row of the other modality is dropped by the 0/1 selector)
+    first = (torch.searchsorted(counts, starts, right=True) * sel).sum(0)
     order = first.argsort(stable=True)  # (R,) image rows first on ties, as they are listed first
-    return grids.index_select(0, order), (order >= Ri) + 1
+    return grids.index_select(0, order), kinds.index_select(0, order)
+
+
+@functools.lru_cache(maxsize=256)
+def _merge_consts(Ri: int, Rv: int, device: torch.device) -> tuple[Tensor, Tensor, Tensor]:
+    """:func:`merge_grids`' constants for ``Ri`` image and ``Rv`` video rows, kept per shape (no per-call copy to
+    the device): the ``(2, R)`` 0/1 selector of the image (row 0) and video (row 1) rows, the ``(2, 1)`` token
+    types ``[[1], [2]]`` and the ``(R,)`` type of each row."""
+    kinds = torch.tensor([1] * Ri + [2] * Rv, dtype=torch.int64, device=device)
+    kind_col = torch.tensor([[1], [2]], dtype=torch.int64, device=device)
+    return (kinds == kind_col).to(torch.int64), kind_col, kinds
 
 
 def pype_attention_mask(
