@@ -148,6 +148,8 @@ STOP_GRACE_S = 20.0  # a stopped child gets this long to exit after SIGTERM befo
 def run_logged(cmd: Sequence[str], log: Path, *, env: dict[str, str]) -> tuple[int, float, float]:
     """Run ``cmd`` with output to ``log``; (exit status, wall seconds, CPU seconds of it and its children).
     While the suite is stopping nothing starts: the status is then ``-SIGTERM`` with no time spent."""
+    if _STOPPING.is_set():  # (before the log is opened: an earlier attempt's log stays)
+        return -signal.SIGTERM, 0.0, 0.0
     log.parent.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
     with log.open("w") as f:
