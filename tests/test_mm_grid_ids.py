@@ -124,3 +124,25 @@ def test_adjacent_blocks_and_blocks_across_rows_are_refused():
         assert grid_position_ids(types, grid, None) is None, types
     good = torch.tensor([[0, 1, 1, 0, 2, 0]])  # an image, then a 1-token video (types may differ per block)
     assert check(good, None, two)
+
+
+@pytest.mark.parametrize("outer", ["none", "no_grad", "inference_mode"])
+def test_outputs_are_ordinary_tensors_that_autograd_and_in_place_ops_accept(outer):
+    """The fused path runs in inference mode inside; what it returns must still be an ordinary tensor (unless the
+    caller is in inference mode itself): ids index a learned table whose gradient is taken (autograd saves the
+    index), and callers shift them in place. Inference tensors would raise on both."""
+    types, mask, grid = batch([tokens(2, ("img", (1, 4, 4)), 1, ("vid", (2, 2, 4)), 3)], pad="right")
+    ctx = {"none": torch.enable_grad, "no_grad": torch.no_grad, "inference_mode": torch.inference_mode}[outer]
+    with ctx():
+        ids, deltas = grid_position_ids(types, grid, mask)
+    assert ids.is_inference() == deltas.is_inference() == (outer == "inference_mode")
+    if outer == "inference_mode":
+        return
+    table = torch.nn.Embedding(int(ids.max()) + 1, 2)
+    table(ids).sum().backward()  # saves ids for backward
+    assert table.weight.grad is not None
+    ids.add_(1), deltas.sub_(1)  # in place, outside inference mode
+    ref = general(types, grid, mask)
+    assert torch.equal(ids - 1, ref[0]) and torch.equal(deltas + 1, ref[1])
+    merged, kinds = mm.merge_grids(types, grid[:1], grid[1:])
+    assert not merged.is_inference() and not kinds.is_inference()

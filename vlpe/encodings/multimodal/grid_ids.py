@@ -8,7 +8,9 @@ increments and per-block changes, and float32 divisions (exact below ``2**24``).
 microseconds on CPU and their cost is the number of torch calls, so every per-block quantity is computed on
 ``R + 2`` values at once, the token-sized stages work in place on that buffer, and the checks (token types,
 grid rows, blocks matching runs of tokens) fold into one float vector compared with its bounds in one host
-read; on any failure it returns None and the general path raises the same error. Equality with the general
+read; on any failure it returns None and the general path raises the same error. The work runs in inference
+mode (no autograd or view bookkeeping per torch call, a tenth of the cost here) on tensors that die with the
+call; the two outputs are made before it, ordinary tensors. Equality with the general
 path, and declining exactly where it raises, are tested on random and corrupted batches in
 ``tests/test_mm_grid_ids.py`` (and over every option in ``tests/test_mm_position_ids.py``); equality with a
 per-block Python loop, and the decline of each check on a hand-made layout, in ``tests/test_mm_fused_ids.py``.
@@ -53,11 +55,12 @@ def _consts(device: torch.device, m: int) -> tuple[Tensor, ...]:
     key = (device, m)  # (a torch.device is its own key: no attribute reads per call)
     consts = _CONSTS.get(key)
     if consts is None:
-        div = torch.tensor([1, m, m], dtype=torch.float32, device=device)
-        consts = _CONSTS[key] = (
-            torch.zeros(1, 3, dtype=torch.float32, device=device), div, div.view(1, 3),
-            *(torch.tensor(_mix(w), dtype=torch.float32, device=device) for w in (5, 8)),
-        )
+        with torch.inference_mode(False):  # kept across calls: ordinary tensors
+            div = torch.tensor([1, m, m], dtype=torch.float32, device=device)
+            consts = _CONSTS[key] = (
+                torch.zeros(1, 3, dtype=torch.float32, device=device), div, div.view(1, 3),
+                *(torch.tensor(_mix(w), dtype=torch.float32, device=device) for w in (5, 8)),
+            )
     return consts
 
 
@@ -72,8 +75,9 @@ def _bounds(R: int, N: int, device: torch.device) -> tuple[Tensor, Tensor]:
     free = [(-_INF, _INF)] * 8
     real = [(1, _INF)] * 3 + [(-_INF, _INF), (-_INF, N)] + [(0, 0)] * 3
     lower, upper = zip(*(free + real * R + free + [(-_INF, 0), (R, R), (0, _INF), (-_INF, 2)]))
-    return (torch.tensor(lower, dtype=torch.float32, device=device),
-            torch.tensor(upper, dtype=torch.float32, device=device))
+    with torch.inference_mode(False):  # kept across calls: ordinary tensors
+        return (torch.tensor(lower, dtype=torch.float32, device=device),
+                torch.tensor(upper, dtype=torch.float32, device=device))
 
 
 def grid_position_ids(
@@ -136,6 +140,26 @@ def grid_position_ids(
     R = grid.shape[0]
     if R == 0 or N == 0 or N * stride >= 1 << 23:
         return None
+    dtype = torch.int64 if dtype is None else dtype
+    # the outputs are made here, outside inference mode: ordinary tensors (an index may be saved for backward)
+    ids = torch.empty((3, B, S), dtype=dtype, device=device)
+    deltas = torch.empty((B, 1), dtype=dtype, device=device)
+    # everything else runs in inference mode: no autograd or view tracking per call (a tenth of the call's cost
+    # at these sizes), and every tensor made below dies here
+    with torch.inference_mode():
+        if not _fill(ids, deltas, types, valid, grid, m, stride, spatial_reset, pad_position, validate):
+            return None  # the general path raises the ValueError of the first failing check
+    return ids, deltas
+
+
+def _fill(ids: Tensor, deltas: Tensor, types: Tensor, valid: Tensor | None, grid: Tensor, m: int, stride: int,
+          spatial_reset: bool, pad_position: float, validate: bool) -> bool:
+    """Write :func:`grid_position_ids`' ids ``(3, B, S)`` and deltas ``(B, 1)`` into the given outputs; False
+    (outputs unspecified) where a check fails."""
+    device = types.device
+    B, S = types.shape
+    N = B * S
+    R = grid.shape[0]
     # (a torch call costs more than these small tensors' arithmetic: views are taken by one as_strided call each)
     zero, div, div_row, mix5, mix8 = _consts(device, m)
     # (R + 2, 3) float32 (BLAS mixes it; exact below 2**24, and a grid value beyond makes a block of more than N
@@ -183,10 +207,10 @@ def grid_position_ids(
         vt = types if valid is None else types * vis  # padding is no run
         st0, st1 = vt.stride()
         at = vt.storage_offset()
-        # run boundaries: where the token type changes (compared into bools, the fast comparison), every row start
-        # and row end
-        changes = torch.ne(vt.as_strided((B, S - 1), (st0, st1), at + st1), vt.as_strided((B, S - 1), (st0, st1), at))
-        buf.as_strided((B, S - 1), (P, 1), 5 * row + 1).copy_(changes)
+        # run boundaries: where the token type changes (compared straight into the buffer), every row start and
+        # row end
+        torch.ne(vt.as_strided((B, S - 1), (st0, st1), at + st1), vt.as_strided((B, S - 1), (st0, st1), at),
+                 out=buf.as_strided((B, S - 1), (P, 1), 5 * row + 1))
         buf.as_strided((B, 2), (P, S), 5 * row).fill_(1)
     acc = buf.view(torch.float32)
     acc.copy_(buf)  # in place (exact: integers below 2**24)
@@ -196,7 +220,7 @@ def grid_position_ids(
         found = torch.cat([state.view(-1), runs, torch.stack(torch.aminmax(types))])  # float32
         lower, upper = _bounds(R, N, device)
         if not torch.equal(found.clamp(lower, upper), found):
-            return None  # the general path raises the ValueError of the first failing check
+            return False
 
     coords = acc.as_strided((3, B, S), (row, P, 1), row)  # (W, H, offset) -> (tau, i, j) in place
     W, H, off = coords.unbind(0)
@@ -212,15 +236,14 @@ def grid_position_ids(
         torch.where(vis, coords.narrow(0, 1, 2), pos, out=coords.narrow(0, 1, 2))
     else:
         coords.add_(pos)
-    # (B, 1) position after each row, less its real tokens
-    deltas = acc.as_strided((B, 1), (P, 1), S) - (S if valid is None else valid.sum(-1, keepdim=True))
-    dtype = torch.int64 if dtype is None else dtype
-    if dtype.is_floating_point:
-        ids = coords.to(torch.float64)
-    else:  # float32 -> int32 in place -> int64: cheaper than one float32 -> int64 pass
+    # (B, 1) position after each row, less its real tokens (integers below 2**24: exact in every dtype)
+    deltas.copy_(acc.as_strided((B, 1), (P, 1), S) - (S if valid is None else valid.sum(-1, keepdim=True)))
+    if ids.dtype.is_floating_point:
+        ids.copy_(coords)
+    else:  # float32 -> int32 in place -> the output's integers: cheaper than one float32 -> int64 pass
         ints = buf.as_strided((3, B, S), (row, P, 1), row)
         ints.copy_(coords)
-        ids = ints.to(torch.int64)
+        ids.copy_(ints)
     if valid is not None:
         ids.masked_fill_(~valid, pad_position)
-    return ids if ids.dtype == dtype else ids.to(dtype), deltas.to(dtype)  # integers below 2**24: exact in every dtype
+    return True

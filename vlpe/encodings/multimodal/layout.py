@@ -139,7 +139,8 @@ def merge_divisor(m: int, device: torch.device) -> Tensor:
     key = (m, device)  # (no attribute reads per call)
     div = _DIVISORS.get(key)
     if div is None:
-        div = _DIVISORS[key] = torch.tensor([1, int(m), int(m)], dtype=torch.int64, device=device)
+        with torch.inference_mode(False):  # kept across calls: an ordinary tensor
+            div = _DIVISORS[key] = torch.tensor([1, int(m), int(m)], dtype=torch.int64, device=device)
     return div
 
 

@@ -314,11 +314,17 @@ def merge_grids(
     flat = types.reshape(-1)
     if attention_mask is not None:
         flat = torch.where(torch.as_tensor(attention_mask, device=device).reshape(-1).bool(), flat, 0)
-    sel, kind_col, kinds = _merge_consts(images.shape[0], videos.shape[0], device)
+    sel, kinds = _merge_consts(images.shape[0], videos.shape[0], device)
     grids = torch.cat([images, videos])  # (R, 3)
     per = torch.floor_divide(grids, merge_divisor(m, device)).prod(-1) * sel  # (2, R) tokens, in its modality's row
     starts = per.cumsum(1) - per  # (2, R) tokens of the row's modality before it (the other row unused)
-    counts = (flat == kind_col).cumsum(1)  # (2, B S) image / video tokens up to each index
+    # (2, B S) image / video tokens up to each index: two comparisons written straight into one int64 buffer and
+    # one in-place cumsum (half the cost of a broadcast comparison into bools and a cumsum that converts them)
+    N = flat.shape[0]
+    counts = torch.empty(2, N, dtype=torch.int64, device=device)
+    torch.eq(flat, 1, out=counts[0])
+    torch.eq(flat, 2, out=counts[1])
+    counts.cumsum_(1)
     # (R,) flat index of each row's first token, by counting the tokens of its modality (both modalities in one
     # batched search; the row of the other modality is dropped by the 0/1 selector)
     first = (torch.searchsorted(counts, starts, right=True) * sel).sum(0)
@@ -327,13 +333,13 @@ def merge_grids(
 
 
 @functools.lru_cache(maxsize=256)
-def _merge_consts(Ri: int, Rv: int, device: torch.device) -> tuple[Tensor, Tensor, Tensor]:
+def _merge_consts(Ri: int, Rv: int, device: torch.device) -> tuple[Tensor, Tensor]:
     """:func:`merge_grids`' constants for ``Ri`` image and ``Rv`` video rows, kept per shape (no per-call copy to
-    the device): the ``(2, R)`` 0/1 selector of the image (row 0) and video (row 1) rows, the ``(2, 1)`` token
-    types ``[[1], [2]]`` and the ``(R,)`` type of each row."""
-    kinds = torch.tensor([1] * Ri + [2] * Rv, dtype=torch.int64, device=device)
-    kind_col = torch.tensor([[1], [2]], dtype=torch.int64, device=device)
-    return (kinds == kind_col).to(torch.int64), kind_col, kinds
+    the device): the ``(2, R)`` 0/1 selector of the image (row 0) and video (row 1) rows and the ``(R,)`` type of
+    each row."""
+    with torch.inference_mode(False):  # kept across calls: ordinary tensors
+        kinds = torch.tensor([1] * Ri + [2] * Rv, dtype=torch.int64, device=device)
+        return (kinds == torch.tensor([[1], [2]], device=device)).to(torch.int64), kinds
 
 
 def pype_attention_mask(
