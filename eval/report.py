@@ -119,9 +119,12 @@ def design_text(claims: Sequence[dict]) -> str:
 
 
 def timing(records: dict[str, list[dict]], planned: dict[str, int]) -> dict[str, Any]:
-    """CPU cost per family from the records and the estimate for the planned suite on ``CORES`` idle cores."""
+    """CPU cost per family from the records: the estimate for the planned suite (every row at the protocol's
+    first-look seeds) on ``CORES`` idle cores, and what the runs made so far cost (every look taken; each run's own
+    CPU seconds, every attempt of a resumed run included)."""
     fams: dict[str, Any] = {}
     total = 0.0
+    spent = 0.0
     complete = True
     for fam in FAMILIES:
         recs = records.get(fam, [])
@@ -138,10 +141,12 @@ def timing(records: dict[str, list[dict]], planned: dict[str, int]) -> dict[str,
         complete &= len(recs) >= n
         fams[fam] = {"runs": len(recs), "planned": n, "train_cpu_s": mt, "eval_cpu_s": me,
                      "wall_s_per_run": sum(wall) / len(wall) if wall else None, "cpu_h": n * (mt + me) / 3600,
+                     "run_cpu_h": (sum(tr) + sum(ev)) / 3600,
                      "per_run": {f"{r['encoding']}_seed{r['seed']}": r.get("timing") for r in recs}}  # fmt: skip
         total += n * (mt + me)
+        spent += sum(tr) + sum(ev)
     return {"families": fams, "cores": CORES, "cpu_h": total / 3600, "estimate_h": total / 3600 / CORES,
-            "complete": complete}  # fmt: skip
+            "run_cpu_h": spent / 3600, "run_h": spent / 3600 / CORES, "complete": complete}  # fmt: skip
 
 
 def report(results: Path, *, readme: Path | None, families: Sequence[str] = FAMILIES,
@@ -251,8 +256,13 @@ def _timing_text(t: dict[str, Any]) -> str:
                      f"{d['eval_cpu_s']:.0f} s evaluation CPU per run")  # fmt: skip
     text = "One thread per run, CPU seconds measured by the suite: " + "; ".join(parts) + "."
     scope = "the whole planned suite" if t["complete"] else "the planned suite (families without runs excluded)"
-    text += (f" Estimated cost of {scope}: {t['cpu_h']:.2f} CPU-hours, i.e. {t['estimate_h']:.2f} h on {t['cores']} "
-             f"idle cores.")  # fmt: skip
+    text += (f" Estimated cost of {scope} (every row at its first-look seeds): {t['cpu_h']:.2f} CPU-hours, i.e. "
+             f"{t['estimate_h']:.2f} h on {t['cores']} idle cores.")  # fmt: skip
+    if t.get("run_cpu_h"):
+        ran = {f: d["run_cpu_h"] for f, d in t["families"].items() if d.get("run_cpu_h")}
+        text += (f" The runs made so far (every look taken) cost {t['run_cpu_h']:.2f} CPU-hours, i.e. "
+                 f"{t['run_h']:.2f} h on {t['cores']} idle cores (" + ", ".join(
+                     f"{f} {h / t['cores']:.2f} h" for f, h in ran.items()) + ").")  # fmt: skip
     if t.get("invocations"):
         last = t["invocations"][-1]
         text += (f" The last `--suite` invocation ({'+'.join(last['families'])}, {last['date'][:10]}) took "

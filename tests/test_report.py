@@ -465,3 +465,18 @@ def test_the_last_invocation_line_reads_the_log_a_stopped_one_included():
     ]
     text = report._timing_text(t)
     assert "last `--suite` invocation (vit, 2026-01-02) took 21 min wall and completed 9 runs, stopped" in text
+
+
+def test_the_cost_of_the_runs_made_sums_every_run_of_every_look():
+    """The first-look estimate (planned runs x mean CPU) and the cost of what was run (each record's own CPU
+    seconds) are both reported: a sequential suite runs more than its first look."""
+    recs = {"vlm": [{"encoding": "mrope", "seed": s, "timing": {"train": {"cpu_s": 30.0 + s, "wall_s": 31.0},
+                                                                "eval": {"cpu_s": 6.0, "wall_s": 7.0}}}
+                    for s in range(8)]}
+    t = report.timing(recs, {"vlm": 5})
+    per_run = [36.0 + s for s in range(8)]
+    assert t["families"]["vlm"]["run_cpu_h"] == pytest.approx(sum(per_run) / 3600)
+    assert t["run_h"] == pytest.approx(sum(per_run) / 3600 / report.CORES)
+    assert t["cpu_h"] == pytest.approx(5 * sum(per_run) / 8 / 3600)  # the first look at the mean cost per run
+    text = report._timing_text(t)
+    assert f"cost {sum(per_run) / 3600:.2f} CPU-hours" in text and f"vlm {sum(per_run) / 3600 / report.CORES:.2f} h" in text
