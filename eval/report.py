@@ -95,6 +95,16 @@ def claims_table(claims: Sequence[dict]) -> str:
                            "interval at the look's level", "seeds per row", "verdict"], body)  # fmt: skip
 
 
+def verdict_tally(claims: Sequence[dict]) -> str:
+    """One sentence counting the verdicts: how many claims are decided, and how."""
+    order = ("agrees", "disagrees", "equivalent", "unresolved", "open")
+    count = {v: sum(c["verdict"] == v for c in claims) for v in order}
+    decided = count["agrees"] + count["disagrees"] + count["equivalent"]
+    return (f"Verdicts: {decided} of {len(claims)} claims decided ({count['agrees']} agree with the paper, "
+            f"{count['disagrees']} disagree, {count['equivalent']} equivalent within the margin); "
+            f"{count['unresolved']} unresolved at their cap, {count['open']} still open.")
+
+
 def design_text(claims: Sequence[dict]) -> str:
     """The sequential design in words, from :data:`claims.DESIGN` (README)."""
     d = DESIGN
@@ -219,7 +229,8 @@ def readme_section(summary: dict[str, Any], claims: Sequence[dict], t: dict[str,
         conv = convergence(s)
         if conv:
             lines += [conv, ""]
-    lines += ["### Do the measurements agree with the papers?", "", design_text(claims), "", claims_table(claims), "",
+    lines += ["### Do the measurements agree with the papers?", "", design_text(claims), "", verdict_tally(claims), "",
+              claims_table(claims), "",
               "![every claim's interval against its margin](results/claims.png)", ""]
     lines += ["### Cost", "", _timing_text(t), ""]
     return "\n".join(lines).rstrip() + "\n"

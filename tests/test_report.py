@@ -480,3 +480,10 @@ def test_the_cost_of_the_runs_made_sums_every_run_of_every_look():
     assert t["cpu_h"] == pytest.approx(5 * sum(per_run) / 8 / 3600)  # the first look at the mean cost per run
     text = report._timing_text(t)
     assert f"cost {sum(per_run) / 3600:.2f} CPU-hours" in text and f"vlm {sum(per_run) / 3600 / report.CORES:.2f} h" in text
+
+
+def test_the_verdict_tally_counts_each_verdict():
+    claims = [{"verdict": v} for v in ["agrees"] * 4 + ["disagrees"] * 2 + ["equivalent"] * 3 + ["unresolved", "open"]]
+    assert report.verdict_tally(claims) == (
+        "Verdicts: 9 of 11 claims decided (4 agree with the paper, 2 disagree, 3 equivalent within the margin); "
+        "1 unresolved at their cap, 1 still open.")
