@@ -141,7 +141,8 @@ def test_outputs_are_ordinary_tensors_that_autograd_and_in_place_ops_accept(oute
     table = torch.nn.Embedding(int(ids.max()) + 1, 2)
     table(ids).sum().backward()  # saves ids for backward
     assert table.weight.grad is not None
-    ids.add_(1), deltas.sub_(1)  # in place, outside inference mode
+    ids.add_(1)  # in place, outside inference mode
+    deltas.sub_(1)
     ref = general(types, grid, mask)
     assert torch.equal(ids - 1, ref[0]) and torch.equal(deltas + 1, ref[1])
     merged, kinds = mm.merge_grids(types, grid[:1], grid[1:])
