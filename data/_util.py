@@ -14,6 +14,8 @@ from typing import Sequence
 
 import numpy as np
 
+from vlpe.cache import user_cache_dir
+
 __all__ = [
     "MissingPackageError",
     "require_debian_file",
@@ -55,10 +57,7 @@ def cache_dir(sub: str = "") -> Path:
 
     ``$VLPE_CACHE_DIR`` if set, else ``$XDG_CACHE_HOME/vlpe``, else ``~/.cache/vlpe``.
     """
-    root = os.environ.get("VLPE_CACHE_DIR")
-    if not root:
-        root = os.path.join(os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "vlpe")
-    path = Path(root) / sub if sub else Path(root)
+    path = user_cache_dir(sub)
     path.mkdir(parents=True, exist_ok=True)
     return path
 

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Idempotent environment set-up used by `make demo` / `make test`:
-#   1. the Debian data packages (real datasets found at run time, never downloaded by the code);
+#   1. the Debian data packages (real datasets found at run time, never downloaded by the code) and the C / C++
+#      compilers (vlpe/native.py builds the CPU kernels of the library; DeepSpeed builds its CPU ops);
 #   2. .venv with the pinned Python packages and an editable install of the library (vlpe);
 #   3. the checkout root on .venv's import path (<site-packages>/vlpe-checkout.pth, scripts/link_checkout.py),
 #      so the harness (models, data, train; eval/ and benchmarks/ scripts) imports from the checkout.
@@ -9,7 +10,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-DEB_PACKAGES="dataset-fashion-mnist libcgal-demo opencv-doc"
+DEB_PACKAGES="dataset-fashion-mnist libcgal-demo opencv-doc gcc g++"
 missing=""
 for p in $DEB_PACKAGES; do
   dpkg -s "$p" >/dev/null 2>&1 || missing="$missing $p"

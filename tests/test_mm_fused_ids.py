@@ -5,7 +5,8 @@ tensor ops (a scatter + ``cumsum`` buffer, float32 divisions, a folded check vec
 against the released Qwen2-VL semantics written as a loop over samples and blocks (text advances the position
 by one, a block of merged ``(T, H, W)`` gives ``(p + t * stride, p + i, p + j)`` and advances it by
 ``max((T - 1) * stride, H - 1, W - 1) + 1``), over every option the fused path takes; the checks are exercised
-on hand-made layouts, one per check, against the general path's ValueError. :func:`merge_grids` (one
+on hand-made layouts, one per check, against the general path's ValueError. The ids tests run on the C kernel
+(``grid_ids.c``; its own answer checked as well) and on the tensor path. :func:`merge_grids` (one
 ``searchsorted`` per modality) is checked against a loop that finds every row's first token by counting the
 tokens of its modality, on valid and invalid inputs alike (its result must not depend on the checks).
 """
@@ -20,6 +21,7 @@ import torch
 
 from vlpe.encodings import multimodal as mm
 from vlpe.encodings.multimodal.grid_ids import grid_position_ids
+from test_mm_helpers import grid_ids_path, native_direct
 
 MERGE = 2
 #: MRoPE on the grid design without its fused path: every call takes the general path
@@ -106,8 +108,14 @@ def reference_ids(samples, types, mask, *, stride=1, spatial_reset=False, pad_po
     return ids, deltas
 
 
+@pytest.fixture(params=["native", "tensor"])
+def path(request):
+    with grid_ids_path(request.param):
+        yield request.param
+
+
 @pytest.mark.parametrize("pad", [None, "left", "right"])
-def test_fused_ids_equal_a_per_block_loop(pad):
+def test_fused_ids_equal_a_per_block_loop(pad, path):
     rng = random.Random({None: 0, "left": 1, "right": 2}[pad])
     for trial in range(40):
         samples, grid = random_layout(rng, rng.randint(1, 4))
@@ -132,9 +140,12 @@ def test_fused_ids_equal_a_per_block_loop(pad):
             assert ids.is_contiguous() and deltas.shape == (types.shape[0], 1)
             assert torch.equal(ids, torch.tensor(want_ids, dtype=torch.float64).to(dtype)), (samples, o)
             assert torch.equal(deltas, torch.tensor(want_deltas, dtype=torch.float64).to(dtype)), (samples, o)
+            if path == "native":  # the kernel's own answer, not the tensor path behind a decline
+                direct = native_direct(types, grid, mask, **o)
+                assert direct is not None and torch.equal(direct[0], ids) and torch.equal(direct[1], deltas), o
 
 
-def test_fused_ids_of_a_one_token_row_and_non_contiguous_types():
+def test_fused_ids_of_a_one_token_row_and_non_contiguous_types(path):
     """``S = 1`` (no pair of neighbours to compare) and token types given as a strided view."""
     types = torch.tensor([[1], [0]])
     out = grid_position_ids(types, torch.tensor([[1, 2, 2]]))
@@ -146,6 +157,9 @@ def test_fused_ids_of_a_one_token_row_and_non_contiguous_types():
     fused = grid_position_ids(types, grid)
     ref = mm.position_ids(GENERAL, types.contiguous(), grid)
     assert fused is not None and torch.equal(fused[0], ref[0]) and torch.equal(fused[1], ref[1])
+    if path == "native":
+        direct = native_direct(types, grid)
+        assert direct is not None and torch.equal(direct[0], ref[0])
 
 
 # one layout per check of the fused path: (what is wrong, types, grid); each must be declined by the fused path
@@ -168,22 +182,26 @@ REFUSED = [
 
 
 @pytest.mark.parametrize("what,types,grid", REFUSED, ids=[r[0] for r in REFUSED])
-def test_fused_ids_decline_where_the_general_path_raises(what, types, grid):
+def test_fused_ids_decline_where_the_general_path_raises(what, types, grid, path):
     types = torch.tensor(types)
     with pytest.raises(ValueError) as general:
         mm.position_ids(GENERAL, types, grid)
     assert grid_position_ids(types, grid) is None, what
+    assert native_direct(types, grid) is None, what
     with pytest.raises(ValueError) as fused:  # the public call falls back to the general path's message
         mm.position_ids("mrope", types, grid)
     assert str(fused.value) == str(general.value)
 
 
-def test_fused_ids_take_adjacent_blocks_of_different_types():
+def test_fused_ids_take_adjacent_blocks_of_different_types(path):
     types = torch.tensor([[0, 1, 1, 2, 2, 0], [2, 2, 0, 0, 1, 0]])  # image then video touching; a row starting with one
     grid = torch.tensor([[1, 2, 4], [2, 2, 2], [2, 2, 2], [1, 2, 2]])
     fused = grid_position_ids(types, grid)
     ref = mm.position_ids(GENERAL, types, grid)
     assert fused is not None and torch.equal(fused[0], ref[0]) and torch.equal(fused[1], ref[1])
+    if path == "native":
+        direct = native_direct(types, grid)
+        assert direct is not None and torch.equal(direct[0], ref[0]) and torch.equal(direct[1], ref[1])
 
 
 # --------------------------------------------------------------------------- merge_grids

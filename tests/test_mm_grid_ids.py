@@ -1,7 +1,8 @@
 """The fused ``grid`` path (:func:`vlpe.encodings.multimodal.grid_ids.grid_position_ids`) against the general
 path (``token_layout`` -> design -> checks -> assembly) on random batches and random corruptions of them: for
 every input the fused path either gives the general path's ids and deltas exactly or declines (None), and it
-declines exactly where the general path raises."""
+declines exactly where the general path raises. Every test runs twice: on the C kernel (``grid_ids.c``, whose own
+answer is checked as well, so that a decline hidden by the tensor path behind it fails) and on the tensor path."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import random
 
 import pytest
 import torch
-from test_mm_helpers import batch, tokens
+from test_mm_helpers import batch, grid_ids_path, native_direct, tokens
 
 from vlpe.encodings import multimodal as mm
 from vlpe.encodings.multimodal.grid_ids import grid_position_ids
@@ -71,27 +72,38 @@ def corrupt(types, mask, grid, rng: random.Random):
     return types, mask, grid
 
 
-def check(types, mask, grid, **options):
+@pytest.fixture(params=["native", "tensor"])
+def path(request):
+    with grid_ids_path(request.param):
+        yield request.param
+
+
+def check(types, mask, grid, path, **options):
     ref = general(types, grid, mask, **options)
     fused = grid_position_ids(types, grid, mask, spatial_reset=options.get("spatial_reset", False))
+    direct = native_direct(types, grid, mask, **options) if path == "native" else None
     if isinstance(ref, ValueError):
         assert fused is None, f"the general path raises ({ref}) but the fused path gave ids"
+        assert direct is None, f"the general path raises ({ref}) but the C kernel gave ids"
         return False
     assert fused is not None, "valid input, but the fused path declined"
     assert torch.equal(fused[0], ref[0]) and torch.equal(fused[1], ref[1])
+    if path == "native":
+        assert direct is not None, "valid input, but the C kernel declined"
+        assert torch.equal(direct[0], ref[0]) and torch.equal(direct[1], ref[1])
     return True
 
 
 @pytest.mark.parametrize("padded", [False, True])
-def test_fused_path_equals_the_general_path_on_random_batches(padded):
+def test_fused_path_equals_the_general_path_on_random_batches(padded, path):
     rng = random.Random(0)
     for _ in range(60):
         samples = [random_sample(rng) for _ in range(rng.randint(1, 3))]
         types, mask, grid = batch(samples, pad=rng.choice(["left", "right"]))
-        assert check(types, mask if padded else None, grid)  # valid (padding is text when no mask is given)
+        assert check(types, mask if padded else None, grid, path)  # valid (padding is text when no mask is given)
 
 
-def test_fused_path_declines_exactly_where_the_general_path_raises():
+def test_fused_path_declines_exactly_where_the_general_path_raises(path):
     rng = random.Random(1)
     outcomes = {True: 0, False: 0}
     for _ in range(400):
@@ -101,13 +113,17 @@ def test_fused_path_declines_exactly_where_the_general_path_raises():
         types = torch.where(mask.bool(), types, 0)  # unpadded rows: padding becomes text
         for _ in range(rng.randint(1, 2)):
             types, _, grid = corrupt(types, mask, grid, rng)
-        outcomes[check(types, None, grid)] += 1
+        outcomes[check(types, None, grid, path)] += 1
         if rng.random() < 0.3:
-            check(types, full, grid)
+            check(types, full, grid, path)
+        if rng.random() < 0.3:  # one padding slot anywhere: inside a block it splits it
+            holed = full.clone()
+            holed[rng.randrange(holed.shape[0]), rng.randrange(holed.shape[1])] = False
+            check(types, holed, grid, path)
     assert outcomes[True] > 20 and outcomes[False] > 150  # both outcomes are exercised
 
 
-def test_adjacent_blocks_and_blocks_across_rows_are_refused():
+def test_adjacent_blocks_and_blocks_across_rows_are_refused(path):
     """Hand-made layouts the checks exist for: two images with no text between them (one run, two blocks), a
     block continued on the next row, a block split by a text token, a token missing and one too many."""
     two = torch.tensor([[1, 2, 4], [1, 2, 2]])  # 2 + 1 merged tokens
@@ -122,12 +138,13 @@ def test_adjacent_blocks_and_blocks_across_rows_are_refused():
     for types, grid in bad:
         assert isinstance(general(types, grid, None), ValueError), types
         assert grid_position_ids(types, grid, None) is None, types
+        assert native_direct(types, grid) is None, types
     good = torch.tensor([[0, 1, 1, 0, 2, 0]])  # an image, then a 1-token video (types may differ per block)
-    assert check(good, None, two)
+    assert check(good, None, two, path)
 
 
 @pytest.mark.parametrize("outer", ["none", "no_grad", "inference_mode"])
-def test_outputs_are_ordinary_tensors_that_autograd_and_in_place_ops_accept(outer):
+def test_outputs_are_ordinary_tensors_that_autograd_and_in_place_ops_accept(outer, path):
     """The fused path runs in inference mode inside; what it returns must still be an ordinary tensor (unless the
     caller is in inference mode itself): ids index a learned table whose gradient is taken (autograd saves the
     index), and callers shift them in place. Inference tensors would raise on both."""

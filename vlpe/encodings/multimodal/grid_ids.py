@@ -1,5 +1,10 @@
 """The ``grid`` design's ids (Qwen2-VL MRoPE and the variants that share its layout) in a few fused passes.
 
+On CPU the ids and every check come from one C loop over the tokens (:mod:`.grid_ids_native`, ``grid_ids.c``)
+where it is built; what follows is the tensor path, taken on other devices, under ``torch.compile``, without a C
+compiler, and wherever the kernel declines (a failed check: the tensor path then raises or, with
+``validate=False``, builds the ids unchecked, as it always did).
+
 The general path (:func:`vlpe.encodings.multimodal.layout.token_layout`, then the design) builds a per-token
 description of the batch and assembles positions from it; for the common case of unpacked rows, an integer
 temporal stride and ``B * S * stride < 2**23``, :func:`grid_position_ids` gets the same ids with one
@@ -24,6 +29,7 @@ import math
 import torch
 from torch import Tensor
 
+from .grid_ids_native import native_grid_ids
 from .layout import _as_grid, _checked_inputs
 
 __all__ = ["grid_position_ids"]
@@ -138,9 +144,15 @@ def grid_position_ids(
     N = B * S
     grid = _as_grid(grid_thw, device)
     R = grid.shape[0]
-    if R == 0 or N == 0 or N * stride >= 1 << 23:
+    if R == 0 or N == 0:
         return None
     dtype = torch.int64 if dtype is None else dtype
+    out = native_grid_ids(types, valid, grid, m=m, stride=stride, spatial_reset=spatial_reset,
+                          pad_position=pad_position, dtype=dtype)
+    if out is not None:  # CPU: one C pass, every check included (None: not taken, or a check failed)
+        return out
+    if N * stride >= 1 << 23:
+        return None
     # the outputs are made here, outside inference mode: ordinary tensors (an index may be saved for backward)
     ids = torch.empty((3, B, S), dtype=dtype, device=device)
     deltas = torch.empty((B, 1), dtype=dtype, device=device)
