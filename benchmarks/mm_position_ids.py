@@ -3,7 +3,10 @@
 Both run on the same inputs, side by side in one process: each round times every case once (interleaved),
 and the minimum over rounds is reported. vlpe's time includes interleaving Hugging Face's image and video
 grids (``merge_grids``); it is given for the default call (``validate=True``: the inputs are checked, one
-boolean read on the host) and for ``validate=False`` (no host read at all). Cases, each sample 10 text tokens
+boolean read on the host where the tensor path runs) and for ``validate=False``. On CPU the default call takes
+the C kernel (``vlpe/encodings/multimodal/grid_ids.c``, built on first use by ``vlpe/native.py``), which checks
+its input in the same pass whatever ``validate`` says; the last column times the tensor path (the kernel off,
+``vlpe.native.off()``, as on a GPU or without a C compiler), validation on. Cases, each sample 10 text tokens
 before and after every block plus its <vision_start>/<vision_end> tokens:
 
 * B=8, 4 images of 448 px per sample (32 x 32 patches = 16 x 16 merged tokens each): outputs must be identical
@@ -31,7 +34,9 @@ import time
 import torch
 from transformers import Qwen2VLConfig, Qwen2VLModel
 
+from vlpe import native
 from vlpe.encodings import multimodal as mm
+from vlpe.encodings.multimodal import grid_ids_native
 
 
 def tiny_qwen2vl() -> Qwen2VLModel:
@@ -94,7 +99,17 @@ def main() -> None:
         print(f"{name}: position_ids and rope_deltas identical to transformers: {same}")
         if not same:
             raise SystemExit("outputs differ")
-    runs = {"hf": run_hf, "vlpe": run_vlpe, "vlpe_novalidate": lambda *c: run_vlpe(*c, validate=False)}
+    def run_tensor(*c):
+        with native.off():
+            return run_vlpe(*c)
+
+    for name in IDENTICAL:  # the tensor path gives the same ids
+        ids_hf, d_hf = run_hf(*cases[name])
+        ids, d = run_tensor(*cases[name])
+        if not (torch.equal(ids, ids_hf) and torch.equal(d, d_hf)):
+            raise SystemExit("outputs of the tensor path differ")
+    runs = {"hf": run_hf, "vlpe": run_vlpe, "vlpe_novalidate": lambda *c: run_vlpe(*c, validate=False),
+            "vlpe_tensor": run_tensor}
     for c in cases.values():  # warm-up
         for fn in runs.values():
             fn(*c)
@@ -102,20 +117,22 @@ def main() -> None:
     for r in range(args.rounds):
         for name, c in cases.items():
             order = list(runs.items())
-            for who, fn in order[r % 3 :] + order[: r % 3]:
+            for who, fn in order[r % len(order) :] + order[: r % len(order)]:
                 fn(*c)  # untimed: every timed call follows one of its own on the same inputs (all timed warm)
                 t0 = time.perf_counter()
                 fn(*c)
                 best[name, who] = min(best[name, who], time.perf_counter() - t0)
 
-    print(f"\nminimum over {args.rounds} interleaved rounds, {torch.get_num_threads()} thread(s); vlpe includes merge_grids")
+    kernel = "the C kernel" if grid_ids_native.available() else "NOT built: every vlpe column is the tensor path"
+    print(f"\nminimum over {args.rounds} interleaved rounds, {torch.get_num_threads()} thread(s); vlpe includes "
+          f"merge_grids; C kernel: {kernel}")
     header = (f"{'case':38s} {'tokens':>7s} {'transformers ms':>16s} {'vlpe ms':>8s} {'speed-up':>9s} "
-              f"{'validate=False ms':>18s} {'speed-up':>9s}")
+              f"{'validate=False ms':>18s} {'speed-up':>9s} {'tensor path ms':>15s} {'speed-up':>9s}")
 
     def row(name: str) -> str:
-        hf, ours, lean = (best[name, who] * 1e3 for who in runs)
+        hf, ours, lean, tensor = (best[name, who] * 1e3 for who in runs)
         line = (f"{name:38s} {cases[name][0].numel():7d} {hf:16.2f} {ours:8.2f} {hf / ours:8.1f}x {lean:18.2f} "
-                f"{hf / lean:8.1f}x")
+                f"{hf / lean:8.1f}x {tensor:15.2f} {hf / tensor:8.1f}x")
         if name in TARGETS:
             line += f"  (target >= {TARGETS[name]:.0f}x: {'met' if hf / ours >= TARGETS[name] else 'NOT met'})"
         return line
