@@ -1,6 +1,7 @@
 """``vlpe.native``: C kernels built on first use into a private cache, keyed by source, compiler and flags; reused
 without the compiler; switched off by ``VLPE_NATIVE=0`` or ``native.off()``; a missing compiler is a quiet fallback,
-a failing one a warning with its message; concurrent builds leave one complete library."""
+a failing one a warning with its message; concurrent builds leave one complete library; a library others could
+have written is not loaded."""
 
 from __future__ import annotations
 
@@ -145,3 +146,19 @@ def test_the_grid_kernel_is_not_called_inside_torch_compile(monkeypatch):
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
     with pytest.raises(AssertionError, match="inside torch.compile"):  # and outside it, the kernel is called
         grid_position_ids(types, grid, validate=False)
+
+
+def test_a_library_in_a_folder_others_can_write_is_not_loaded(fresh):
+    src = source(fresh)
+    assert native.library(src) is not None
+    folder = fresh / "cache" / "native"
+    folder.chmod(0o777)
+    native._LOADED.clear()
+    with pytest.warns(RuntimeWarning, match="writable by group or others"):
+        assert native.library(src) is None
+    folder.chmod(0o700)
+    (lib,) = folder.iterdir()
+    lib.chmod(0o666)
+    native._LOADED.clear()
+    with pytest.warns(RuntimeWarning, match="writable by group or others"):
+        assert native.library(src) is None

@@ -12,7 +12,9 @@ tensor path and takes it where no library loads, so the kernels are an accelerat
 * libraries live under ``$VLPE_CACHE_DIR/native`` (else ``$XDG_CACHE_HOME/vlpe/native``, else
   ``~/.cache/vlpe/native``), a directory made private to the user. A build writes a temporary file there and
   renames it into place, so concurrent processes (the ranks of one launch) never load a partial library;
-* a compiler that fails warns once, with its message, and the kernels stay off in that process.
+* a compiler that fails warns once, with its message, and the kernels stay off in that process;
+* a library is loaded only from a folder and a file owned by the user and writable by nobody else (a warning
+  otherwise): loading one runs its code.
 
 Portable flags only (``-O2``, no ``-march=native``): a cache on a shared home directory may be loaded by machines
 of another CPU generation. ``tests/test_native.py`` checks the build, the reuse of a built library, the switch and
@@ -112,9 +114,29 @@ def _build_and_load(source: Path) -> ctypes.CDLL | None:
             warnings.warn(f"vlpe: could not build {source.name} in {where} ({e}), so its tensor path is used "
                           "(set VLPE_NATIVE=0 or VLPE_CACHE_DIR)", RuntimeWarning, stacklevel=3)
             return None
+    unsafe = _unsafe(where, target)
+    if unsafe:
+        warnings.warn(f"vlpe: not loading {target}: {unsafe}, so the tensor path of {source.name} is used (a library "
+                      "there runs as this user; fix the permissions or set VLPE_CACHE_DIR to a private folder)",
+                      RuntimeWarning, stacklevel=3)
+        return None
     try:
         return ctypes.CDLL(os.fspath(target))
     except OSError as e:
         warnings.warn(f"vlpe: could not load {target} ({e}), so the tensor path of {source.name} is used",
                       RuntimeWarning, stacklevel=3)
         return None
+
+
+def _unsafe(folder: Path, target: Path) -> str:
+    """Why loading ``target`` would run code another user could have written (empty when it is safe): the
+    folder or the library not owned by this user, or writable by group or others."""
+    if not hasattr(os, "getuid"):
+        return ""
+    for path in (folder, target):
+        st = path.stat()
+        if st.st_uid != os.getuid():
+            return f"{path} belongs to another user"
+        if st.st_mode & 0o022:
+            return f"{path} is writable by group or others"
+    return ""
