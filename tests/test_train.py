@@ -158,11 +158,14 @@ def _read_metrics(out: Path):
 )
 def test_two_rank_deepspeed_smoke(tmp_path, script, config, extra):
     out = tmp_path / "run"
-    from train.launch import _free_port  # parallel test workers must not share the launcher's default port
+    from train.launch import SHM_FOLDER, _free_port  # parallel test workers must not share the launcher's default port
 
-    _run([DS, "--num_gpus", "2", "--master_port", str(_free_port()), script, "--config", config, *extra, "train.steps=3", "train.val_every=3",
+    port = _free_port()
+    _run([DS, "--num_gpus", "2", "--master_port", str(port), script, "--config", config, *extra, "train.steps=3", "train.val_every=3",
           "train.ckpt_every=3", f"train.out_dir={out}"])
     assert (out / "model.safetensors").is_file() and (out / "checkpoints/step_00000003/COMPLETE").is_file()
+    # DeepSpeed's CPU all-reduce segments (66 MB of RAM per rank) do not outlive the launch
+    assert not list(SHM_FOLDER.glob(f"deepspeed_allreduce_buffer_*_{port}_*")), "shared memory left in /dev/shm"
     recs = _read_metrics(out)
     assert [r["step"] for r in recs if r["split"] == "train"][-1] == 3
     assert any(r["split"] == "val" for r in recs)
@@ -197,3 +200,4 @@ def test_resume_after_kill_matches_uninterrupted_run(tmp_path):
     assert a.keys() == b.keys()
     for k in a:
         torch.testing.assert_close(a[k], b[k], rtol=0, atol=0, msg=f"{k} differs after resume")
+

@@ -3,7 +3,8 @@
 * :class:`TrainSection`: the ``train:`` section of every config (steps, batch, optimiser, precision,
   ZeRO stage, validation/checkpoint cadence, resume);
 * :func:`setup_distributed`: the process group under the ``deepspeed`` launcher or in one plain process
-  (the rank variables filled in here); gloo on CPU, NCCL on GPU;
+  (the rank variables filled in here); gloo on CPU, NCCL on GPU; the names of DeepSpeed's shared-memory segments
+  removed once every rank has mapped them (:func:`release_shared_memory_names`);
 * :func:`deepspeed_config`: the DeepSpeed config dict from that section plus the YAML ``deepspeed:``
   overrides, with the batch-size identity checked up front and explained in one line, and every key checked
   against what the installed DeepSpeed reads (a typo is an error with a suggestion);
@@ -28,7 +29,8 @@ import torch.distributed as dist
 
 from .config import ConfigError, _suggest
 
-__all__ = ["TrainSection", "setup_distributed", "deepspeed_config", "check_out_dir", "seed_everything"]
+__all__ = ["TrainSection", "setup_distributed", "release_shared_memory_names", "deepspeed_config", "check_out_dir",
+           "seed_everything"]
 
 
 @dataclass(kw_only=True)
@@ -100,12 +102,38 @@ def setup_distributed() -> tuple[int, int, torch.device]:
     cuda = torch.cuda.is_available()
     if not dist.is_initialized():
         deepspeed.init_distributed(dist_backend="nccl" if cuda else "gloo", verbose=False)
+        release_shared_memory_names(dist.get_rank(), dist.get_world_size())
     rank, world = dist.get_rank(), dist.get_world_size()
     local = int(os.environ.get("LOCAL_RANK", 0))
     if cuda:
         torch.cuda.set_device(local)
         return rank, world, torch.device("cuda", local)
     return rank, world, torch.device("cpu")
+
+
+#: the POSIX shared-memory segment of one rank of DeepSpeed's CPU all-reduce (deepspeed/ops/csrc/cpu/comm/shm.cpp:
+#: "deepspeed_allreduce_buffer_<uid>_<MASTER_ADDR>_<MASTER_PORT>_<rank>", about 66 MB)
+SHM_SEGMENT = "deepspeed_allreduce_buffer_{uid}_{addr}_{port}_{rank}"
+SHM_FOLDER = Path("/dev/shm")
+
+
+def release_shared_memory_names(rank: int, world: int) -> None:
+    """Remove the name of this rank's DeepSpeed shared-memory segment once every rank has mapped every segment.
+
+    DeepSpeed's CPU all-reduce creates one segment per rank when the process group starts and maps the segments of
+    all ranks before ``init_distributed`` returns, but never unlinks them: every launch (one process included) left
+    about 66 MB per rank in ``/dev/shm``, that is in RAM, until the machine restarted, and a development machine ran
+    out of memory after a few hundred launches. After a barrier (every rank has returned from its initialisation)
+    each rank unlinks its own name; the mappings stay valid and the memory is freed when the last rank exits. A name
+    that is not there (no shm op: GPU, another OS, another DeepSpeed) is left alone."""
+    if world > 1:
+        dist.barrier()
+    name = SHM_SEGMENT.format(uid=os.getuid() if hasattr(os, "getuid") else 0, addr=os.environ.get("MASTER_ADDR", ""),
+                              port=os.environ.get("MASTER_PORT", ""), rank=rank)
+    try:
+        (SHM_FOLDER / name).unlink()
+    except FileNotFoundError:
+        pass
 
 
 def deepspeed_config(train: TrainSection, overrides: dict, *, world: int, device: torch.device) -> dict:
