@@ -22,6 +22,7 @@ import torch
 from vlpe.encodings import multimodal as mm
 from vlpe.encodings.multimodal.grid_ids import grid_position_ids
 from test_mm_helpers import grid_ids_path, native_direct
+from vlpe.encodings.multimodal.grid_ids_native import native_merge_grids
 
 MERGE = 2
 #: MRoPE on the grid design without its fused path: every call takes the general path
@@ -229,8 +230,11 @@ def reference_merge(types, images, videos, mask, m=MERGE):
     return [g for _, _, g in rows], [k for _, k, _ in rows]
 
 
-def test_merge_grids_equals_a_counting_loop_on_any_input():
+def test_merge_grids_equals_a_counting_loop_on_any_input(path):
+    """On both paths; on the kernel's, its own answer too: it may decline only a grid with a value below 0 or a row
+    of more tokens than the batch (the tensor form takes those)."""
     rng = random.Random(3)
+    taken = 0
     for _ in range(300):
         B, S = rng.randint(1, 3), rng.randint(1, 12)
         values = [0, 0, 1, 2] + ([3, -1] if rng.random() < 0.2 else [])  # invalid types too
@@ -242,6 +246,8 @@ def test_merge_grids_equals_a_counting_loop_on_any_input():
             k = rng.randint(0, 3)
             g = torch.tensor([[rng.randint(0, 3), 2 * rng.randint(0, 2) + rng.choice([0, 0, 1]), 2 * rng.randint(0, 2)]
                               for _ in range(k)], dtype=torch.int64).reshape(k, 3)
+            if k and rng.random() < 0.05:
+                g[rng.randrange(k), rng.randrange(3)] = -2  # a negative value: the kernel declines it
             return g.to(torch.int32) if rng.random() < 0.2 else g
 
         images, videos = grids(), grids()
@@ -250,3 +256,12 @@ def test_merge_grids_equals_a_counting_loop_on_any_input():
         want_grid, want_kinds = reference_merge(types, images, videos, mask)
         assert grid.dtype == torch.int64 and kinds.dtype == torch.int64
         assert grid.tolist() == want_grid and kinds.tolist() == want_kinds, (types, images, videos, mask)
+        if path == "native" and images is not None and videos is not None and images.numel() and videos.numel():
+            direct = native_merge_grids(types, mask, images.to(torch.int64), videos.to(torch.int64), MERGE)
+            rows = torch.cat([images, videos]).to(torch.int64)
+            sane = bool((rows >= 0).all()) and bool(((rows // torch.tensor([1, MERGE, MERGE])).prod(-1) <= B * S).all())
+            assert (direct is not None) == sane, (types, images, videos)
+            if direct is not None:
+                taken += 1
+                assert direct[0].tolist() == want_grid and direct[1].tolist() == want_kinds, (types, images, videos, mask)
+    assert path == "tensor" or taken > 50

@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from vlpe import native
+from vlpe.encodings import multimodal as mm
 from vlpe.encodings.multimodal import grid_ids_native
 from test_mm_helpers import require_grid_kernel
 
@@ -117,21 +118,24 @@ def test_concurrent_builds_leave_one_complete_library(fresh):
     assert len(list((fresh / "cache" / "native").iterdir())) == 1
 
 
-def test_the_grid_kernel_is_plain_c_with_the_declared_signature():
-    """The binding's argument list matches the C function's (a mismatch reads garbage, it does not raise)."""
+def test_the_grid_kernels_are_plain_c_with_the_declared_signatures():
+    """The bindings' argument lists match the C functions' (a mismatch reads garbage, it does not raise)."""
     require_grid_kernel()
     text = (ROOT / "vlpe" / "encodings" / "multimodal" / "grid_ids.c").read_text()
     code = re.sub(r"/\*.*?\*/", "", text, flags=re.S)  # comments out
-    params = re.search(r"int vlpe_grid_ids\(([^)]*)\)", code).group(1).split(",")
-    kinds = [ctypes.c_void_p if "*" in p else ctypes.c_int if p.split()[0] == "int" else ctypes.c_int64
-             for p in params]
-    fn = grid_ids_native._kernel()
-    assert fn is not None and fn.argtypes == kinds and len(kinds) == 18
+    exported = re.findall(r"^int (vlpe_\w+)\(([^)]*)\)", code, flags=re.M)
+    assert sorted(name for name, _ in exported) == sorted(grid_ids_native.SIGNATURES)
+    for name, params in exported:
+        kinds = [ctypes.c_void_p if "*" in p else ctypes.c_int if p.split()[0] == "int" else ctypes.c_int64
+                 for p in params.split(",")]
+        assert grid_ids_native.SIGNATURES[name] == kinds, name
+        assert grid_ids_native._kernels()[name].argtypes == kinds
     assert "#include <Python.h>" not in code and "torch" not in code
 
 
-def test_the_grid_kernel_is_not_called_inside_torch_compile(monkeypatch):
-    """A ctypes call inside a compiled graph would break it: under ``torch.compile`` the tensor path runs."""
+@pytest.mark.filterwarnings("ignore:Dynamo detected a call to a `functools.lru_cache`")  # merge_grids' constants
+def test_the_kernels_are_not_called_inside_torch_compile(monkeypatch):
+    """A ctypes call inside a compiled graph would break it: under ``torch.compile`` the tensor paths run."""
     from vlpe.encodings.multimodal.grid_ids import grid_position_ids
 
     def kernel_called(*a):
@@ -139,13 +143,18 @@ def test_the_grid_kernel_is_not_called_inside_torch_compile(monkeypatch):
 
     types, grid = torch.tensor([[0, 1, 1, 0, 2, 0]]), torch.tensor([[1, 2, 4], [1, 2, 2]])
     want = grid_position_ids(types, grid, validate=False)
-    monkeypatch.setattr(grid_ids_native, "_FN", [kernel_called])
+    want_merged = mm.merge_grids(types, grid[:1], grid[1:])
+    monkeypatch.setattr(grid_ids_native, "_FN", [dict.fromkeys(grid_ids_native.SIGNATURES, kernel_called)])
     torch._dynamo.reset()
     compiled = torch.compile(lambda t, g: grid_position_ids(t, g, validate=False), backend="eager")
     got = compiled(types, grid)
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
-    with pytest.raises(AssertionError, match="inside torch.compile"):  # and outside it, the kernel is called
+    merged = torch.compile(lambda t, i, v: mm.merge_grids(t, i, v), backend="eager")(types, grid[:1], grid[1:])
+    assert torch.equal(merged[0], want_merged[0]) and torch.equal(merged[1], want_merged[1])
+    with pytest.raises(AssertionError, match="inside torch.compile"):  # and outside it, the kernels are called
         grid_position_ids(types, grid, validate=False)
+    with pytest.raises(AssertionError, match="inside torch.compile"):
+        mm.merge_grids(types, grid[:1], grid[1:])
 
 
 def test_a_library_in_a_folder_others_can_write_is_not_loaded(fresh):

@@ -122,3 +122,90 @@ int vlpe_grid_ids(const int64_t *types, int64_t ts0, int64_t ts1,      /* (B, S)
     }
     return r == R ? GRID_IDS_OK : GRID_IDS_COUNT;
 }
+
+/* Hugging Face's separate image and video grid rows, interleaved in order of appearance (merge_grids).
+ *
+ * The first token of the k-th row of a modality is its (c_k + 1)-th token of that modality over the flattened
+ * batch, c_k the tokens of that modality's rows before it (merged T * H/m * W/m each), or N where there is no such
+ * token; rows are ordered by first token, image rows first on ties (a stable sort of the images, then the videos).
+ * This is vlpe.encodings.multimodal.merge_grids' tensor form on any input, valid or not, for grids of
+ * non-negative values whose rows hold at most N tokens each: other grids (and m < 1) are declined
+ * (GRID_IDS_BAD_ROW) for the tensor form to handle. tests/test_mm_fused_ids.py holds both to a counting loop.
+ */
+static int rows_start(const int64_t *g, int64_t s0, int64_t s1, int64_t R, int64_t m, int64_t N, int64_t *start)
+{
+    int64_t sum = 0;
+    for (int64_t r = 0; r < R; r++) {
+        const int64_t T = g[r * s0], H = g[r * s0 + s1], W = g[r * s0 + 2 * s1];
+        if (T < 0 || H < 0 || W < 0)
+            return GRID_IDS_BAD_ROW;
+        const int64_t a = T, b = H / m, c = W / m;
+        int64_t n = 0;
+        if (a && b && c) {
+            if (a > N || b > N || c > N || a * b > N || a * b * c > N)
+                return GRID_IDS_BAD_ROW;
+            n = a * b * c;
+        }
+        start[r] = sum;
+        sum += n;
+    }
+    return GRID_IDS_OK;
+}
+
+int vlpe_merge_grids(const int64_t *types, int64_t ts0, int64_t ts1,   /* (B, S) token types and strides */
+                     const uint8_t *valid,                              /* (B * S,) real tokens, or NULL: all */
+                     int64_t B, int64_t S,
+                     const int64_t *images, int64_t is0, int64_t is1, int64_t Ri,  /* (Ri, 3) and strides */
+                     const int64_t *videos, int64_t ws0, int64_t ws1, int64_t Rv,  /* (Rv, 3) and strides */
+                     int64_t m,
+                     int64_t *first,                                    /* (Ri + Rv,) scratch */
+                     int64_t *grid_out,                                 /* (Ri + Rv, 3) contiguous, written */
+                     int64_t *kind_out)                                 /* (Ri + Rv,) written */
+{
+    const int64_t N = B * S;
+    if (m < 1)
+        return GRID_IDS_BAD_ROW;
+    int64_t *fi = first, *fv = first + Ri;  /* the starts c_k first, then the first tokens */
+    if (rows_start(images, is0, is1, Ri, m, N, fi) || rows_start(videos, ws0, ws1, Rv, m, N, fv))
+        return GRID_IDS_BAD_ROW;
+    /* rows placed and tokens counted per modality; the start of the next row to place is kept in a register
+     * (INT64_MAX when none is left), so a token costs a load, a compare and an increment */
+    int64_t ki = 0, kv = 0, ci = 0, cv = 0;
+    int64_t next_i = Ri ? fi[0] : INT64_MAX, next_v = Rv ? fv[0] : INT64_MAX;
+    for (int64_t b = 0; b < B && (ki < Ri || kv < Rv); b++) {
+        const int64_t *trow = types + b * ts0;
+        const uint8_t *vrow = valid ? valid + b * S : 0;
+        for (int64_t s = 0; s < S; s++) {
+            const int64_t t = (vrow && !vrow[s]) ? 0 : trow[s * ts1];
+            if (t == 1) {
+                if (ci >= next_i) {  /* this is token ci + 1 of the images: the first of rows starting at <= ci */
+                    while (ki < Ri && fi[ki] <= ci)
+                        fi[ki++] = b * S + s;
+                    next_i = ki < Ri ? fi[ki] : INT64_MAX;
+                }
+                ci++;
+            } else if (t == 2) {
+                if (cv >= next_v) {
+                    while (kv < Rv && fv[kv] <= cv)
+                        fv[kv++] = b * S + s;
+                    next_v = kv < Rv ? fv[kv] : INT64_MAX;
+                }
+                cv++;
+            }
+        }
+    }
+    while (ki < Ri)
+        fi[ki++] = N;
+    while (kv < Rv)
+        fv[kv++] = N;
+    for (int64_t i = 0, j = 0, o = 0; o < Ri + Rv; o++) {
+        const int take_image = j == Rv || (i < Ri && fi[i] <= fv[j]);
+        const int64_t *g = take_image ? images + (i++) * is0 : videos + (j++) * ws0;
+        const int64_t s1 = take_image ? is1 : ws1;
+        grid_out[3 * o] = g[0];
+        grid_out[3 * o + 1] = g[s1];
+        grid_out[3 * o + 2] = g[2 * s1];
+        kind_out[o] = take_image ? 1 : 2;
+    }
+    return GRID_IDS_OK;
+}

@@ -23,32 +23,45 @@ from torch import Tensor
 
 from ... import native
 
-__all__ = ["native_grid_ids", "available"]
+__all__ = ["native_grid_ids", "native_merge_grids", "available", "SIGNATURES"]
 
 _SOURCE = Path(__file__).with_name("grid_ids.c")
 #: output dtypes written from the kernel's int64 ids (exact: every id is an integer below 2**62, and below 2**24
 #: wherever the float32 tensor path applies)
 _DTYPES = frozenset({torch.int64, torch.int32, torch.float32, torch.float64})
-_I64 = ctypes.c_int64
-_FN: list = []  # [the kernel or None], resolved on first use
+_I64, _PTR = ctypes.c_int64, ctypes.c_void_p
+#: the argument types of the two C functions (tests/test_native.py reads them against the C source)
+SIGNATURES = {
+    "vlpe_grid_ids": [_PTR, _I64, _I64, _PTR, _I64, _I64, _PTR, _I64, _I64, _I64, _I64, _I64, _I64, _I64, ctypes.c_int,
+                      _I64, _PTR, _PTR],
+    "vlpe_merge_grids": [_PTR, _I64, _I64, _PTR, _I64, _I64, _PTR, _I64, _I64, _I64, _PTR, _I64, _I64, _I64, _I64, _PTR,
+                         _PTR, _PTR],
+}
+_FN: list = []  # [the two functions by name, or None], resolved on first use
 
 
-def _kernel():
+def _kernels() -> dict | None:
     if not _FN:
         lib = native.library(_SOURCE)
-        fn = None
+        fns = None
         if lib is not None:
-            fn = lib.vlpe_grid_ids
-            fn.restype = ctypes.c_int
-            fn.argtypes = [ctypes.c_void_p, _I64, _I64, ctypes.c_void_p, _I64, _I64, ctypes.c_void_p, _I64, _I64,
-                           _I64, _I64, _I64, _I64, _I64, ctypes.c_int, _I64, ctypes.c_void_p, ctypes.c_void_p]
-        _FN.append(fn)
+            fns = {}
+            for name, argtypes in SIGNATURES.items():
+                fn = getattr(lib, name)
+                fn.restype, fn.argtypes = ctypes.c_int, argtypes
+                fns[name] = fn
+        _FN.append(fns)
     return _FN[0]
 
 
+def _kernel():
+    fns = _kernels()
+    return None if fns is None else fns["vlpe_grid_ids"]
+
+
 def available() -> bool:
-    """Whether the C kernel is built and loaded (False: every call takes the tensor path)."""
-    return _kernel() is not None
+    """Whether the C kernels are built and loaded (False: every call takes the tensor path)."""
+    return _kernels() is not None
 
 
 def native_grid_ids(types: Tensor, valid: Tensor | None, grid: Tensor, *, m: int, stride: int, spatial_reset: bool,
@@ -87,3 +100,42 @@ def native_grid_ids(types: Tensor, valid: Tensor | None, grid: Tensor, *, m: int
     if dtype != torch.int64:
         return ids.to(dtype), deltas.to(dtype)
     return ids, deltas
+
+
+def native_merge_grids(types: Tensor, attention_mask, images: Tensor, videos: Tensor,
+                       m: int) -> tuple[Tensor, Tensor] | None:
+    """:func:`vlpe.encodings.multimodal.merge_grids` of both modalities from the C kernel: ``(grid (R, 3), kinds
+    (R,))``, or None where it does not apply (not CPU, under ``torch.compile`` or :func:`vlpe.native.off`, no
+    kernel, token types that are not integers, a mask of another size, more than ``2**31`` tokens or rows, a grid
+    value below 0 or a row of more than ``B * S`` tokens); the tensor form then runs.
+
+    ``types`` ``(B, S)``; ``images`` ``(Ri, 3)`` and ``videos`` ``(Rv, 3)`` int64 on the same device."""
+    if (types.device.type != "cpu" or images.device.type != "cpu" or videos.device.type != "cpu"
+            or types.is_floating_point() or types.is_complex() or types.dtype == torch.bool):
+        return None
+    B, S = types.shape
+    Ri, Rv = images.shape[0], videos.shape[0]
+    if B * S >= 1 << 31 or Ri + Rv >= 1 << 31 or native.suspended() or torch.compiler.is_compiling():
+        return None
+    fns = _kernels()
+    if fns is None:
+        return None
+    valid = None
+    if attention_mask is not None:
+        valid = torch.as_tensor(attention_mask)
+        if valid.device.type != "cpu" or valid.numel() != B * S:
+            return None
+        valid = valid.reshape(-1).bool().contiguous()
+    if types.dtype != torch.int64:
+        types = types.to(torch.int64)
+    R = Ri + Rv
+    first = torch.empty(R, dtype=torch.int64)
+    grid = torch.empty((R, 3), dtype=torch.int64)
+    kinds = torch.empty(R, dtype=torch.int64)
+    ts0, ts1 = types.stride()
+    is0, is1 = images.stride()
+    ws0, ws1 = videos.stride()
+    code = fns["vlpe_merge_grids"](types.data_ptr(), ts0, ts1, None if valid is None else valid.data_ptr(), B, S,
+                                   images.data_ptr(), is0, is1, Ri, videos.data_ptr(), ws0, ws1, Rv, m,
+                                   first.data_ptr(), grid.data_ptr(), kinds.data_ptr())
+    return None if code else (grid, kinds)

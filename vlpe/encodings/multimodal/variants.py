@@ -11,6 +11,7 @@ from torch import Tensor
 
 from .allocations import ALLOCATIONS, get_allocation
 from .designs import DESIGNS, assemble, get_design
+from .grid_ids_native import native_merge_grids
 from .layout import merge_divisor, packed_samples, token_layout
 
 __all__ = [
@@ -287,7 +288,9 @@ def merge_grids(
     """Interleave Hugging Face's separate image and video grids into order of appearance.
 
     Returns ``grid_thw (R, 3)`` for :func:`position_ids` and the ``(R,)`` token type (1 image, 2 video) of
-    each row. Vectorised: each row's first token is located by counting the tokens of its modality.
+    each row. Each row's first token is located by counting the tokens of its modality: with both modalities on
+    CPU in one C pass (``grid_ids.c``, :mod:`.grid_ids_native`), elsewhere in tensor form; the two agree on any
+    input (``tests/test_mm_fused_ids.py``).
     """
     types = torch.as_tensor(mm_token_type_ids)
     if types.dim() != 2:
@@ -311,6 +314,9 @@ def merge_grids(
         kind, g = given[0]
         return g, torch.full((g.shape[0],), kind, dtype=torch.int64, device=device)
     (_, images), (_, videos) = given  # images first, as Hugging Face lists them
+    out = native_merge_grids(types, attention_mask, images, videos, m)
+    if out is not None:  # CPU: one C pass (None: not taken; the same result in tensor form below)
+        return out
     flat = types.reshape(-1)
     if attention_mask is not None:
         flat = torch.where(torch.as_tensor(attention_mask, device=device).reshape(-1).bool(), flat, 0)
