@@ -46,78 +46,74 @@ int vlpe_grid_ids(const int64_t *types, int64_t ts0, int64_t ts1,      /* (B, S)
             return GRID_IDS_BAD_ROW;
     }
     int64_t *out_t = ids, *out_h = ids + N, *out_w = ids + 2 * N;
-    int64_t r = 0;          /* the next grid row */
-    int64_t left = 0;       /* tokens of the open block still to come (0: no block open) */
-    int64_t start = 0, Hm = 1, Wm = 1, adv = 0, kind = 0;
-    int64_t tau = 0, i = 0, j = 0;  /* the next token's frame, row and column in the open block */
+    int64_t r = 0;  /* the next grid row */
     for (int64_t b = 0; b < B; b++) {
         const int64_t *trow = types + b * ts0;
         const uint8_t *vrow = valid ? valid + b * vs0 : 0;
         int64_t *ot = out_t + b * S, *oh = out_h + b * S, *ow = out_w + b * S;
         int64_t p = 0, real = 0;
-        int ended = 0;      /* the previous token of this row closed a block (of type `kind`) */
-        for (int64_t s = 0; s < S; s++) {
+        int64_t ended = 0;  /* the type of a block that closed at the previous token of this row (0: none) */
+        for (int64_t s = 0; s < S;) {
             const int64_t t = trow[s * ts1];
             if (t < 0 || t > 2)
                 return GRID_IDS_BAD_TYPE;
             if (vrow && !vrow[s * vs1]) {  /* padding */
-                if (left)
-                    return GRID_IDS_RUN;
                 ot[s] = oh[s] = ow[s] = pad;
                 ended = 0;
+                s++;
                 continue;
             }
-            real++;
             if (t == 0) {  /* text */
-                if (left)
-                    return GRID_IDS_RUN;
                 ot[s] = oh[s] = ow[s] = p;
                 p++;
+                real++;
                 ended = 0;
+                s++;
                 continue;
             }
-            if (!left) {  /* the first token of grid row r */
-                if (r == R)
-                    return GRID_IDS_COUNT;
-                if (ended && t == kind)
-                    return GRID_IDS_RUN;
-                const int64_t *g = grid + r * gs0;
-                const int64_t T = g[0];
-                Hm = g[gs1] / m;
-                Wm = g[2 * gs1] / m;
-                left = T * Hm * Wm;
-                int64_t span = stride * (T - 1);
-                if (Hm - 1 > span)
-                    span = Hm - 1;
-                if (Wm - 1 > span)
-                    span = Wm - 1;
-                adv = span + 1;
-                start = p;
-                tau = i = j = 0;
-                kind = t;
-                r++;
-            } else if (t != kind) {
+            /* the first token of grid row r: the whole block is checked (n real tokens of type t, inside this
+             * row), then written frame by frame, line by line */
+            if (r == R)
+                return GRID_IDS_COUNT;
+            if (ended == t)
                 return GRID_IDS_RUN;
-            }
-            const int64_t base = spatial_reset ? 0 : start;
-            ot[s] = start + stride * tau;
-            oh[s] = base + i;
-            ow[s] = base + j;
-            if (++j == Wm) {  /* raster order: j fastest, then i, then tau */
-                j = 0;
-                if (++i == Hm) {
-                    i = 0;
-                    tau++;
+            const int64_t *g = grid + r * gs0;
+            const int64_t T = g[0], Hm = g[gs1] / m, Wm = g[2 * gs1] / m, n = T * Hm * Wm;
+            if (n > S - s)  /* it would continue on the next row */
+                return GRID_IDS_RUN;
+            int64_t bad = 0;
+            for (int64_t q = s; q < s + n; q++)
+                bad |= trow[q * ts1] ^ t;
+            if (vrow)
+                for (int64_t q = s; q < s + n; q++)
+                    bad |= !vrow[q * vs1];
+            if (bad)  /* text, padding or the other type inside the block */
+                return GRID_IDS_RUN;
+            int64_t span = stride * (T - 1);
+            if (Hm - 1 > span)
+                span = Hm - 1;
+            if (Wm - 1 > span)
+                span = Wm - 1;
+            const int64_t base = spatial_reset ? 0 : p;
+            int64_t q = s;
+            for (int64_t tau = 0; tau < T; tau++) {
+                const int64_t tv = p + stride * tau;
+                for (int64_t i = 0; i < Hm; i++) {
+                    const int64_t hv = base + i;
+                    for (int64_t j = 0; j < Wm; j++) {  /* raster order: j fastest, then i, then tau */
+                        ot[q + j] = tv;
+                        oh[q + j] = hv;
+                        ow[q + j] = base + j;
+                    }
+                    q += Wm;
                 }
             }
-            ended = 0;
-            if (!--left) {
-                p = start + adv;
-                ended = 1;
-            }
+            p += span + 1;
+            real += n;
+            s += n;
+            ended = t;
+            r++;
         }
-        if (left)  /* a block continues on the next row */
-            return GRID_IDS_RUN;
         deltas[b] = p - real;
     }
     return r == R ? GRID_IDS_OK : GRID_IDS_COUNT;
