@@ -3,10 +3,10 @@
 Both run on the same inputs, side by side in one process: each round times every case once (interleaved),
 and the minimum over rounds is reported. vlpe's time includes interleaving Hugging Face's image and video
 grids (``merge_grids``); it is given for the default call (``validate=True``: the inputs are checked, one
-boolean read on the host where the tensor path runs) and for ``validate=False``. On CPU the default call takes
-the C kernel (``vlpe/encodings/multimodal/grid_ids.c``, built on first use by ``vlpe/native.py``), which checks
-its input in the same pass whatever ``validate`` says; the last column times the tensor path (the kernel off,
-``vlpe.native.off()``, as on a GPU or without a C compiler), validation on. Cases, each sample 10 text tokens
+boolean read on the host where the tensor path runs) and for ``validate=False``. On CPU ``merge_grids`` and the
+ids take the C kernels (``vlpe/encodings/multimodal/grid_ids.c``, built on first use by ``vlpe/native.py``); the
+ids kernel checks its input in the same pass whatever ``validate`` says. The last column times the tensor path
+(the kernels off, ``vlpe.native.off()``, as on a GPU or without a C compiler), validation on. Cases, each sample 10 text tokens
 before and after every block plus its <vision_start>/<vision_end> tokens:
 
 * B=8, 4 images of 448 px per sample (32 x 32 patches = 16 x 16 merged tokens each): outputs must be identical
@@ -131,8 +131,8 @@ def main() -> None:
 
     def row(name: str) -> str:
         hf, ours, lean, tensor = (best[name, who] * 1e3 for who in runs)
-        line = (f"{name:38s} {cases[name][0].numel():7d} {hf:16.2f} {ours:8.2f} {hf / ours:8.1f}x {lean:18.2f} "
-                f"{hf / lean:8.1f}x {tensor:15.2f} {hf / tensor:8.1f}x")
+        line = (f"{name:38s} {cases[name][0].numel():7d} {hf:16.2f} {ours:8.3f} {hf / ours:8.1f}x {lean:18.3f} "
+                f"{hf / lean:8.1f}x {tensor:15.3f} {hf / tensor:8.1f}x")
         if name in TARGETS:
             line += f"  (target >= {TARGETS[name]:.0f}x: {'met' if hf / ours >= TARGETS[name] else 'NOT met'})"
         return line
