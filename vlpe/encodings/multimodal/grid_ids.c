@@ -1,7 +1,9 @@
-/* The ``grid`` design's ids (Qwen2-VL MRoPE, and its spatial reset) and their checks in one pass over the tokens.
+/* Two CPU kernels of the multimodal layout: vlpe_grid_ids, the ``grid`` design's ids (Qwen2-VL MRoPE, and its
+ * spatial reset) with their checks in one pass over the tokens, and vlpe_merge_grids (below), Hugging Face's image
+ * and video grid rows in order of appearance. Plain C for CPU tensors, loaded by
+ * vlpe/encodings/multimodal/grid_ids_native.py (built by vlpe/native.py).
  *
- * A plain C loop for CPU tensors, loaded by vlpe/encodings/multimodal/grid_ids_native.py (built by vlpe/native.py).
- * It returns the ids of vlpe.encodings.multimodal.position_ids' general path exactly, or declines (a non-zero
+ * vlpe_grid_ids returns the ids of vlpe.encodings.multimodal.position_ids' general path exactly, or declines (a non-zero
  * code) where that path raises: token types outside 0 .. 2, a grid row that is not positive or whose H, W are not
  * divisible by the merge size, more or fewer vision tokens than the grid rows describe, a block that is not one
  * run of consecutive vision tokens of one type inside one batch row, or two blocks of one type with no token
