@@ -6,8 +6,8 @@ grids (``merge_grids``); it is given for the default call (``validate=True``: th
 boolean read on the host where the tensor path runs) and for ``validate=False``. On CPU ``merge_grids`` and the
 ids take the C kernels (``vlpe/encodings/multimodal/grid_ids.c``, built on first use by ``vlpe/native.py``); the
 ids kernel checks its input in the same pass whatever ``validate`` says. The last column times the tensor path
-(the kernels off, ``vlpe.native.off()``, as on a GPU or without a C compiler), validation on. Cases, each sample 10 text tokens
-before and after every block plus its <vision_start>/<vision_end> tokens:
+(the kernels off, ``vlpe.native.off()``, as on a GPU or without a C compiler), validation on. Cases, each sample
+10 text tokens before and after every block plus its <vision_start>/<vision_end> tokens:
 
 * B=8, 4 images of 448 px per sample (32 x 32 patches = 16 x 16 merged tokens each): outputs must be identical
   (images follow the same semantics in both); target >= 15x faster.

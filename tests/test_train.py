@@ -161,8 +161,8 @@ def test_two_rank_deepspeed_smoke(tmp_path, script, config, extra):
     from train.launch import SHM_FOLDER, _free_port  # parallel test workers must not share the launcher's default port
 
     port = _free_port()
-    _run([DS, "--num_gpus", "2", "--master_port", str(port), script, "--config", config, *extra, "train.steps=3", "train.val_every=3",
-          "train.ckpt_every=3", f"train.out_dir={out}"])
+    _run([DS, "--num_gpus", "2", "--master_port", str(port), script, "--config", config, *extra, "train.steps=3",
+          "train.val_every=3", "train.ckpt_every=3", f"train.out_dir={out}"])
     assert (out / "model.safetensors").is_file() and (out / "checkpoints/step_00000003/COMPLETE").is_file()
     # DeepSpeed's CPU all-reduce segments (66 MB of RAM per rank) do not outlive the launch
     assert not list(SHM_FOLDER.glob(f"deepspeed_allreduce_buffer_*_{port}_*")), "shared memory left in /dev/shm"

@@ -3,10 +3,10 @@
  * and video grid rows in order of appearance. Plain C for CPU tensors, loaded by
  * vlpe/encodings/multimodal/grid_ids_native.py (built by vlpe/native.py).
  *
- * vlpe_grid_ids returns the ids of vlpe.encodings.multimodal.position_ids' general path exactly, or declines (a non-zero
- * code) where that path raises: token types outside 0 .. 2, a grid row that is not positive or whose H, W are not
- * divisible by the merge size, more or fewer vision tokens than the grid rows describe, a block that is not one
- * run of consecutive vision tokens of one type inside one batch row, or two blocks of one type with no token
+ * vlpe_grid_ids returns the ids of vlpe.encodings.multimodal.position_ids' general path exactly, or declines (a
+ * non-zero code) where that path raises: token types outside 0 .. 2, a grid row that is not positive or whose H, W
+ * are not divisible by the merge size, more or fewer vision tokens than the grid rows describe, a block that is not
+ * one run of consecutive vision tokens of one type inside one batch row, or two blocks of one type with no token
  * between them. tests/test_mm_grid_ids.py holds it to the general path on random and corrupted batches, and
  * tests/test_mm_fused_ids.py to a per-block loop of the released semantics.
  *

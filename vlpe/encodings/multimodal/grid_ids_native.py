@@ -1,4 +1,5 @@
-"""The ``grid`` design's ids on CPU in one C pass (``grid_ids.c``, built by :mod:`vlpe.native`).
+"""The multimodal layout on CPU in C (``grid_ids.c``, built by :mod:`vlpe.native`): the ``grid`` design's ids and
+:func:`vlpe.encodings.multimodal.merge_grids`.
 
 For unpacked CPU batches the ids, deltas and every check of
 :func:`vlpe.encodings.multimodal.grid_ids.grid_position_ids` come from one loop over the tokens: tens of
@@ -9,7 +10,8 @@ whatever ``validate`` says; the caller then takes the tensor path, which raises 
 call would break the graph), without a C compiler, with ``VLPE_NATIVE=0`` or inside ``vlpe.native.off()``.
 Equality with the general path on random and corrupted batches is tested in ``tests/test_mm_grid_ids.py``, with a
 per-block loop of the released semantics in ``tests/test_mm_fused_ids.py``; both run every case on this path (its
-own answer checked) and on the tensor path.
+own answer checked) and on the tensor path. ``merge_grids`` of both modalities takes the second kernel, held to a
+counting loop on any input in ``tests/test_mm_fused_ids.py`` on both paths.
 """
 
 from __future__ import annotations
@@ -54,11 +56,6 @@ def _kernels() -> dict | None:
     return _FN[0]
 
 
-def _kernel():
-    fns = _kernels()
-    return None if fns is None else fns["vlpe_grid_ids"]
-
-
 def available() -> bool:
     """Whether the C kernels are built and loaded (False: every call takes the tensor path)."""
     return _kernels() is not None
@@ -67,12 +64,13 @@ def available() -> bool:
 def native_grid_ids(types: Tensor, valid: Tensor | None, grid: Tensor, *, m: int, stride: int, spatial_reset: bool,
                     pad_position: float, dtype: torch.dtype) -> tuple[Tensor, Tensor] | None:
     """``(ids (3, B, S), deltas (B, 1))`` from the C kernel, or None where it does not apply (not CPU, under
-    ``torch.compile`` or :func:`vlpe.native.off`, no kernel, an output dtype other than int64 / int32 / float32 / float64, a fractional
-    ``pad_position``, more than ``2**31`` tokens or a stride of ``2**31``) or a check fails.
+    ``torch.compile`` or :func:`vlpe.native.off`, no kernel, an output dtype other than int64 / int32 / float32 /
+    float64, a fractional ``pad_position``, more than ``2**31`` tokens or a stride of ``2**31``) or a check fails.
 
     ``types`` ``(B, S)`` integer, ``valid`` ``(B, S)`` bool or None, ``grid`` ``(R, 3)`` int64, all on the CPU
     (any strides)."""
-    if types.device.type != "cpu" or grid.device.type != "cpu" or dtype not in _DTYPES:
+    if (types.device.type != "cpu" or grid.device.type != "cpu" or dtype not in _DTYPES
+            or (valid is not None and valid.device.type != "cpu")):
         return None
     B, S = types.shape
     pad = float(pad_position)
@@ -80,21 +78,19 @@ def native_grid_ids(types: Tensor, valid: Tensor | None, grid: Tensor, *, m: int
         return None
     if native.suspended() or torch.compiler.is_compiling():
         return None
-    fn = _kernel()
-    if fn is None:
+    fns = _kernels()
+    if fns is None:
         return None
     if types.dtype != torch.int64:
         types = types.to(torch.int64)
-    if valid is not None and valid.device.type != "cpu":
-        return None
     ids = torch.empty((3, B, S), dtype=torch.int64)
     deltas = torch.empty((B, 1), dtype=torch.int64)
     ts0, ts1 = types.stride()
     vs0, vs1 = (0, 0) if valid is None else valid.stride()
     gs0, gs1 = grid.stride()
-    code = fn(types.data_ptr(), ts0, ts1, None if valid is None else valid.data_ptr(), vs0, vs1,
-              grid.data_ptr(), gs0, gs1, grid.shape[0], B, S, m, stride, spatial_reset, int(pad),
-              ids.data_ptr(), deltas.data_ptr())
+    code = fns["vlpe_grid_ids"](types.data_ptr(), ts0, ts1, None if valid is None else valid.data_ptr(), vs0, vs1,
+                                grid.data_ptr(), gs0, gs1, grid.shape[0], B, S, m, stride, spatial_reset, int(pad),
+                                ids.data_ptr(), deltas.data_ptr())
     if code:
         return None
     if dtype != torch.int64:
