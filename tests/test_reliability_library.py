@@ -4,7 +4,8 @@ Covers: NaN/inf/bool/complex/string coordinates and timestamps (``vlpe.Positions
 ``mm.rotary`` (and the sync-free ``validate=False``), the multi_head default section below 4 KV heads, a boolean
 scaling factor, the property kit's second run on randomised parameters (a planted wrong claim), ``rope_dinov3``
 with and without grid metadata against timm's ``RotaryEmbeddingDinoV3``, encoding classes called without a spec,
-tampered ``models.hub`` folders, and the session's private torch-extensions folder (``tests/conftest.py``).
+tampered ``models.hub`` folders, the session's private torch-extensions folder (``tests/conftest.py``), and the
+``dtype`` of multimodal position ids (not a real number type; an integer type the ids do not fit).
 """
 
 from __future__ import annotations
@@ -285,3 +286,39 @@ def test_private_extensions_folder_is_seeded_without_locks(tmp_path):
         assert (out / "op" / "op.so").stat().st_mtime == 1_000_000_000  # ninja sees the build as up to date
     finally:
         shutil.rmtree(out)
+
+
+# --------------------------------------------------------------------------- the dtype of position ids
+@pytest.mark.parametrize("variant", ["mrope", "rope1d", "videorope"])
+@pytest.mark.parametrize("dtype", [torch.bool, torch.complex64, "int64", int])
+def test_position_ids_refuse_a_dtype_that_is_not_a_real_number_type(variant, dtype):
+    types, grid = torch.tensor([[0, 1, 1, 0]]), torch.tensor([[1, 2, 4]])
+    with pytest.raises(ValueError, match="integer or floating dtype"):
+        mm.position_ids(variant, types, grid, dtype=dtype)
+
+
+@pytest.mark.parametrize("variant", ["mrope", "mrope_i", "rope1d"])
+@pytest.mark.parametrize("dtype", [torch.int8, torch.uint8, torch.int16])
+def test_narrow_integer_ids_are_checked_to_fit_instead_of_wrapping(variant, dtype):
+    """300 text tokens reach position 299, past int8 / uint8 (a cast wraps silently); an image shrinks the
+    positions behind it, so a uint8 delta is negative. Where they fit, the ids are the int64 ids cast."""
+    types = torch.zeros(1, 300, dtype=torch.int64)
+    if torch.iinfo(dtype).max < 299:
+        with pytest.raises(ValueError, match=rf"span \[0, 299\], outside {dtype}"):
+            mm.position_ids(variant, types, None, dtype=dtype)
+        mm.position_ids(variant, types, None, dtype=dtype, validate=False)  # no check, as documented
+    else:
+        ids, deltas = mm.position_ids(variant, types, None, dtype=dtype)
+        ref = mm.position_ids(variant, types, None)
+        assert ids.dtype == dtype and torch.equal(ids.long(), ref[0]) and torch.equal(deltas.long(), ref[1])
+    image = torch.tensor([[0] + [1] * 16 + [0]])  # 16 tokens of one 4 x 4 image advance the position by 4
+    grid = torch.tensor([[1, 8, 8]])
+    ref = mm.position_ids(variant, image, grid)
+    if variant != "rope1d":
+        assert int(ref[1]) < 0  # the delta (next position less the real tokens) is negative
+    if dtype == torch.uint8 and variant != "rope1d":
+        with pytest.raises(ValueError, match="outside torch.uint8"):
+            mm.position_ids(variant, image, grid, dtype=dtype)
+    else:
+        ids, deltas = mm.position_ids(variant, image, grid, dtype=dtype)
+        assert torch.equal(ids.long(), ref[0]) and torch.equal(deltas.long(), ref[1])

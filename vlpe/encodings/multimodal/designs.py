@@ -39,7 +39,7 @@ from torch import Tensor
 from .grid_ids import grid_position_ids
 from .layout import Check, TokenLayout
 
-__all__ = ["Design", "DesignOut", "DESIGNS", "get_design", "assemble", "V2PE_STRIDES", "HOPE_SCALES"]
+__all__ = ["Design", "DesignOut", "DESIGNS", "get_design", "assemble", "fitted", "V2PE_STRIDES", "HOPE_SCALES"]
 
 #: V2PE's training strides (``v2pe_rnd``): delta = stride / 256, drawn independently for each image.
 V2PE_STRIDES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
@@ -328,13 +328,15 @@ def assemble(
     *,
     pad_position: float = 1,
     dtype: torch.dtype | None = None,
+    validate: bool = False,
 ) -> tuple[Tensor, Tensor]:
     """Running positions by one exclusive cumsum, then vision coordinates; returns ``(ids, deltas)``.
 
     ``ids`` is ``(A, B, S)``; ``deltas`` is ``(B, 1)`` (``(B, A)`` when the advance differs per axis, PyPE),
     the next free position minus the number of real tokens (Hugging Face 5.x convention). For packed rows
     (``L.samples``) the running position restarts at every sample (segment sums, :meth:`Samples.cumsum`) and
-    ``deltas`` is ``(n, 1)`` (``(n, A)``), one per sample in order over the flattened batch.
+    ``deltas`` is ``(n, 1)`` (``(n, A)``), one per sample in order over the flattened batch. With ``validate``, an
+    integer ``dtype`` other than int64 must hold every id and delta (:func:`fitted`).
     """
     if dtype is None:
         dtype = torch.float32 if out.floating else torch.int64
@@ -385,7 +387,7 @@ def assemble(
         if L.padded:
             ids.masked_fill_(~L.valid, pad_position)
         deltas = (next_pos - real).transpose(0, 1)  # (B or n, A')
-        return ids.to(dtype), deltas.to(dtype)
+        return fitted(ids, deltas, dtype, validate)
     ids = torch.empty(A, B, S, dtype=work, device=L.device)
     for a in range(A):  # a handful of axes (PyPE: one per layer), never tokens or blocks
         run = running[a if A1 > 1 else 0]
@@ -397,4 +399,18 @@ def assemble(
     if L.padded:
         ids.masked_fill_(~L.valid, pad_position)
     deltas = (next_pos - real).transpose(0, 1)  # (B or n, A')
+    return fitted(ids, deltas, dtype, validate)
+
+
+def fitted(ids: Tensor, deltas: Tensor, dtype: torch.dtype, validate: bool) -> tuple[Tensor, Tensor]:
+    """``ids`` and ``deltas`` (int64 or float64) in ``dtype``; with ``validate``, ``ValueError`` (one host read)
+    where an integer ``dtype`` other than int64 cannot hold them all: the cast would wrap them silently."""
+    if validate and not dtype.is_floating_point and dtype != torch.int64 and ids.dtype == torch.int64:
+        info = torch.iinfo(dtype)
+        lo, hi = torch.aminmax(torch.cat([ids.reshape(-1), deltas.reshape(-1)]))
+        if bool((lo < info.min) | (hi > info.max)):
+            raise ValueError(
+                f"the position ids and rope deltas span [{int(lo)}, {int(hi)}], outside {dtype}'s range "
+                f"[{info.min}, {info.max}]: the cast would wrap them; pass dtype=torch.int64 (the default) or None"
+            )
     return ids.to(dtype), deltas.to(dtype)

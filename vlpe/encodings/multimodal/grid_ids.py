@@ -147,6 +147,8 @@ def grid_position_ids(
     if R == 0 or N == 0:
         return None
     dtype = torch.int64 if dtype is None else dtype
+    if not dtype.is_floating_point and dtype not in (torch.int64, torch.int32):
+        return None  # an output type that may not hold the ids: the general path checks that they fit
     out = native_grid_ids(types, valid, grid, m=m, stride=stride, spatial_reset=spatial_reset,
                           pad_position=pad_position, dtype=dtype)
     if out is not None:  # CPU: one C pass, every check included (None: not taken, or a check failed)

@@ -25,12 +25,12 @@ from torch import Tensor
 
 from ... import native
 
-__all__ = ["native_grid_ids", "native_merge_grids", "available", "SIGNATURES"]
+__all__ = ["native_grid_ids", "native_merge_grids", "available", "SIGNATURES", "DTYPES"]
 
 _SOURCE = Path(__file__).with_name("grid_ids.c")
-#: output dtypes written from the kernel's int64 ids (exact: every id is an integer below 2**62, and below 2**24
-#: wherever the float32 tensor path applies)
-_DTYPES = frozenset({torch.int64, torch.int32, torch.float32, torch.float64})
+#: output dtypes written from the kernel's int64 ids (an int32 output goes to the tensor path, whose ids stay below
+#: 2**24, so that no cast here can wrap)
+DTYPES = frozenset({torch.int64, torch.float32, torch.float64})
 _I64, _PTR = ctypes.c_int64, ctypes.c_void_p
 #: the argument types of the two C functions (tests/test_native.py reads them against the C source)
 SIGNATURES = {
@@ -64,12 +64,12 @@ def available() -> bool:
 def native_grid_ids(types: Tensor, valid: Tensor | None, grid: Tensor, *, m: int, stride: int, spatial_reset: bool,
                     pad_position: float, dtype: torch.dtype) -> tuple[Tensor, Tensor] | None:
     """``(ids (3, B, S), deltas (B, 1))`` from the C kernel, or None where it does not apply (not CPU, under
-    ``torch.compile`` or :func:`vlpe.native.off`, no kernel, an output dtype other than int64 / int32 / float32 /
-    float64, a fractional ``pad_position``, more than ``2**31`` tokens or a stride of ``2**31``) or a check fails.
+    ``torch.compile`` or :func:`vlpe.native.off`, no kernel, an output dtype other than int64 / float32 / float64, a
+    fractional ``pad_position``, more than ``2**31`` tokens or a stride of ``2**31``) or a check fails.
 
     ``types`` ``(B, S)`` integer, ``valid`` ``(B, S)`` bool or None, ``grid`` ``(R, 3)`` int64, all on the CPU
     (any strides)."""
-    if (types.device.type != "cpu" or grid.device.type != "cpu" or dtype not in _DTYPES
+    if (types.device.type != "cpu" or grid.device.type != "cpu" or dtype not in DTYPES
             or (valid is not None and valid.device.type != "cpu")):
         return None
     B, S = types.shape

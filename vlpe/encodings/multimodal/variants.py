@@ -184,8 +184,11 @@ def position_ids(
             B, or a ``(B, k + 1)`` tensor), each from 0 to ``S``. Samples are numbered in order over the
             flattened batch; equal consecutive entries are empty samples. None: every row is one sample.
         pad_position: the id given to padding slots (1, as the released Qwen2-VL code).
-        dtype: output dtype; default int64 for integer designs, float32 for fractional ones (use float64 for
-            V2PE beyond ~1e6 positions).
+        dtype: output dtype, a real integer or floating dtype; default int64 for integer designs, float32 for
+            fractional ones (use float64 for V2PE beyond ~1e6 positions). An integer dtype other than int64 is
+            checked (``validate``, one more host read) to hold every id and delta: a position past its range
+            would wrap silently. Float dtypes round as they do (float16 / bfloat16 hold integers exactly up to
+            2048 / 256).
         validate: check the inputs (one host read of one boolean); False makes the call free of host syncs.
         **options: the design's options, e.g. ``spatial_reset=True``, ``second_per_grid_ts=...``,
             ``temporal_scale=0.75``, ``training=True``, ``stride=64``, ``depth=32``.
@@ -200,7 +203,8 @@ def position_ids(
     Raises:
         ValueError: unknown variant or option, a batch of no tokens (``S = 0``), ``cu_seqlens`` of a form not
             listed above (a string, floats, a dict ...), or (``validate``) inputs that do not fit together: token
-            types outside 0/1/2, a ``grid_thw`` whose rows do not match the vision blocks, ``cu_seqlens`` that do
+            types outside 0/1/2, a ``dtype`` that is not a real number type, ids outside an integer ``dtype``'s
+            range, a ``grid_thw`` whose rows do not match the vision blocks, ``cu_seqlens`` that do
             not start at 0, decrease, or do not end at the row length, a vision block straddling a sample
             boundary, or (``cu_seqlens`` with ``attention_mask``) padding between two real tokens of one sample
             (:meth:`vlpe.encodings.multimodal.Samples.holes`).
@@ -209,6 +213,7 @@ def position_ids(
     design = get_design(v.design)
     opts = design.options({**v.design_options, **options})
     _check_not_empty(mm_token_type_ids, "mm_token_type_ids")
+    _check_dtype(dtype)
     if cu_seqlens is None and design.fused is not None:  # a design's exact fused path (Qwen2-VL MRoPE)
         fused = design.fused(
             mm_token_type_ids, grid_thw, attention_mask, opts, spatial_merge_size=spatial_merge_size,
@@ -225,7 +230,7 @@ def position_ids(
         if layout.samples is not None and attention_mask is not None:  # a packed sample is one run of real tokens
             layout.checks.append(layout.samples.holes(layout.valid))
         layout.validate()
-    return assemble(layout, out, pad_position=pad_position, dtype=dtype)
+    return assemble(layout, out, pad_position=pad_position, dtype=dtype, validate=validate)
 
 
 def decode_position_ids(
@@ -378,6 +383,24 @@ def pype_attention_mask(
         sample = packed_samples(cu_seqlens, *ids.shape, device=ids.device).index  # (B, S)
         keep = keep & (sample.unsqueeze(-2) == sample.unsqueeze(-1))
     return keep.unsqueeze(1)
+
+
+def _check_dtype(dtype) -> None:
+    """``ValueError`` unless ``dtype`` is None or a real integer / floating torch dtype (not bool or complex)."""
+    if dtype is None:
+        return
+    if not isinstance(dtype, torch.dtype) or dtype == torch.bool or dtype.is_complex or not (
+        dtype.is_floating_point or dtype in _INTEGER_DTYPES
+    ):
+        raise ValueError(
+            f"dtype must be a torch integer or floating dtype for position ids (e.g. torch.int64, the default for "
+            f"integer designs, or torch.float32), got {dtype!r}"
+        )
+
+
+_INTEGER_DTYPES = frozenset(
+    {torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8, torch.uint16, torch.uint32, torch.uint64}
+)
 
 
 def _check_not_empty(types, what: str) -> None:
