@@ -39,7 +39,7 @@ from torch import Tensor
 from .grid_ids import grid_position_ids
 from .layout import Check, TokenLayout
 
-__all__ = ["Design", "DesignOut", "DESIGNS", "get_design", "assemble", "fitted", "V2PE_STRIDES", "HOPE_SCALES"]
+__all__ = ["Design", "DesignOut", "DESIGNS", "get_design", "assemble", "V2PE_STRIDES", "HOPE_SCALES"]
 
 #: V2PE's training strides (``v2pe_rnd``): delta = stride / 256, drawn independently for each image.
 V2PE_STRIDES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
@@ -336,7 +336,7 @@ def assemble(
     the next free position minus the number of real tokens (Hugging Face 5.x convention). For packed rows
     (``L.samples``) the running position restarts at every sample (segment sums, :meth:`Samples.cumsum`) and
     ``deltas`` is ``(n, 1)`` (``(n, A)``), one per sample in order over the flattened batch. With ``validate``, an
-    integer ``dtype`` other than int64 must hold every id and delta (:func:`fitted`).
+    integer ``dtype`` other than int64 must hold every id and delta (:func:`_fitted`).
     """
     if dtype is None:
         dtype = torch.float32 if out.floating else torch.int64
@@ -387,7 +387,7 @@ def assemble(
         if L.padded:
             ids.masked_fill_(~L.valid, pad_position)
         deltas = (next_pos - real).transpose(0, 1)  # (B or n, A')
-        return fitted(ids, deltas, dtype, validate)
+        return _fitted(ids, deltas, dtype, validate)
     ids = torch.empty(A, B, S, dtype=work, device=L.device)
     for a in range(A):  # a handful of axes (PyPE: one per layer), never tokens or blocks
         run = running[a if A1 > 1 else 0]
@@ -399,10 +399,10 @@ def assemble(
     if L.padded:
         ids.masked_fill_(~L.valid, pad_position)
     deltas = (next_pos - real).transpose(0, 1)  # (B or n, A')
-    return fitted(ids, deltas, dtype, validate)
+    return _fitted(ids, deltas, dtype, validate)
 
 
-def fitted(ids: Tensor, deltas: Tensor, dtype: torch.dtype, validate: bool) -> tuple[Tensor, Tensor]:
+def _fitted(ids: Tensor, deltas: Tensor, dtype: torch.dtype, validate: bool) -> tuple[Tensor, Tensor]:
     """``ids`` and ``deltas`` (int64 or float64) in ``dtype``; with ``validate``, ``ValueError`` (one host read)
     where an integer ``dtype`` other than int64 cannot hold them all: the cast would wrap them silently."""
     if validate and not dtype.is_floating_point and dtype != torch.int64 and ids.dtype == torch.int64:

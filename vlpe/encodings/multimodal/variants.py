@@ -201,10 +201,10 @@ def position_ids(
         the sample's own delta (an empty sample's is 0).
 
     Raises:
-        ValueError: unknown variant or option, a batch of no tokens (``S = 0``), ``cu_seqlens`` of a form not
-            listed above (a string, floats, a dict ...), or (``validate``) inputs that do not fit together: token
-            types outside 0/1/2, a ``dtype`` that is not a real number type, ids outside an integer ``dtype``'s
-            range, a ``grid_thw`` whose rows do not match the vision blocks, ``cu_seqlens`` that do
+        ValueError: unknown variant or option, a ``dtype`` that is not a real integer or floating type, a batch
+            of no tokens (``S = 0``), ``cu_seqlens`` of a form not listed above (a string, floats, a dict ...), or
+            (``validate``) inputs that do not fit together: token types outside 0/1/2, ids outside an integer
+            ``dtype``'s range, a ``grid_thw`` whose rows do not match the vision blocks, ``cu_seqlens`` that do
             not start at 0, decrease, or do not end at the row length, a vision block straddling a sample
             boundary, or (``cu_seqlens`` with ``attention_mask``) padding between two real tokens of one sample
             (:meth:`vlpe.encodings.multimodal.Samples.holes`).
