@@ -21,27 +21,50 @@ from torch import nn
 
 from vlpe.encodings import multimodal as mm
 
-from .patch import RECORD_KEY, apply, patch_of, read_record
+from .patch import RECORD_KEY, apply, check_options, patch_of, read_record
 
 __all__ = ["save_pretrained", "from_pretrained", "recorded_variant"]
 
 
-def _config_file(path: str | Path) -> Path:
+def _config_file(path: str | Path) -> tuple[Path, dict[str, Any]]:
+    """The ``config.json`` of the checkpoint folder ``path`` and its contents.
+
+    Raises:
+        ValueError: the folder has no ``config.json``, or it is not a JSON object (not JSON, not UTF-8, a list
+            ...); the message names the file.
+    """
     file = Path(path) / "config.json"
     if not file.is_file():
         raise ValueError(
             f"{str(path)!r} is not a Hugging Face checkpoint folder (no config.json); give the folder that "
             "save_pretrained wrote (config.json, the weights, the processor files)"
         )
-    return file
+    try:
+        config = json.loads(file.read_bytes())
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ValueError(
+            f"{file} is not valid JSON ({e}); a checkpoint folder's config.json is the JSON object save_pretrained "
+            "writes: restore or rewrite it"
+        ) from None
+    if not isinstance(config, dict):
+        raise ValueError(
+            f"{file} holds a JSON {type(config).__name__}, not the JSON object (the model config) save_pretrained "
+            "writes: restore or rewrite it"
+        )
+    return file, config
 
 
 def recorded_variant(path: str | Path) -> tuple[str | mm.Variant, dict[str, Any]]:
     """``(variant, options)`` recorded in the ``config.json`` of the checkpoint folder ``path``, as
-    :func:`vlpe.integrations.transformers.apply` takes them; ValueError when the folder has no config.json, no
-    record, or a record that cannot be restored (options that were not JSON)."""
-    file = _config_file(path)
-    return read_record(json.loads(file.read_text()).get(RECORD_KEY), where=str(file))
+    :func:`vlpe.integrations.transformers.apply` takes them.
+
+    Raises:
+        ValueError: the folder has no config.json or one that is not a JSON object, no record, a record that
+            cannot be restored (options that were not JSON), or options ``apply`` does not take (unknown names,
+            wrongly typed or invalid values); the message names the file and the option.
+    """
+    file, config = _config_file(path)
+    return read_record(config.get(RECORD_KEY), where=str(file))
 
 
 def from_pretrained(
@@ -51,8 +74,14 @@ def from_pretrained(
     """Load the checkpoint folder ``path`` with ``AutoModelForImageTextToText`` (``local_files_only`` unless
     given) and apply the variant recorded in its ``config.json``, or ``variant`` with ``variant_options``.
 
-    The record is read (and refused when it cannot be restored) before any weight is loaded. Returns what
-    ``from_pretrained`` returns (the model, or ``(model, loading_info)`` with ``output_loading_info=True``).
+    The record (or ``variant`` and ``variant_options``) is read and checked before any weight is loaded.
+
+    Returns:
+        What ``from_pretrained`` returns (the model, or ``(model, loading_info)`` with ``output_loading_info=True``).
+
+    Raises:
+        ValueError: as :func:`recorded_variant` (naming ``config.json`` and the option), or for ``variant_options``
+            without ``variant`` or that ``apply`` does not take.
     """
     if variant is None:
         if variant_options:
@@ -63,7 +92,10 @@ def from_pretrained(
         variant, options = recorded_variant(path)
     else:
         _config_file(path)
+        if not isinstance(variant_options, (Mapping, type(None))):
+            raise ValueError(f"from_pretrained: variant_options must be a dict of options, got {variant_options!r}")
         options = dict(variant_options or {})
+        check_options(variant, options, where=f"from_pretrained({str(path)!r}, variant={variant!r})")
     from transformers import AutoModelForImageTextToText
 
     loaded = AutoModelForImageTextToText.from_pretrained(path, **{"local_files_only": True, **from_pretrained_kwargs})

@@ -196,6 +196,7 @@ def patch_of(model: nn.Module) -> Patch | None:
 def _resolve(v: mm.Variant, options: dict[str, Any], base: nn.Module, family: str) -> tuple[mm.Variant, dict]:
     """The variant with every option of :func:`apply` in it, and the rotary options (``theta`` / ``scaling``)."""
     rotary_options = {k: options.pop(k) for k in _ROTARY_KEYS if k in options}
+    check_rotary_options(rotary_options, where="apply")
     if "allocation" in rotary_options:
         v = v.with_options(allocation=rotary_options.pop("allocation"))
     design = mm.DESIGNS[v.design]
@@ -340,7 +341,8 @@ def variant_record(variant: str | mm.Variant, options: Mapping[str, Any]) -> dic
 
 def read_record(record: Any, *, where: str) -> tuple[str | mm.Variant, dict[str, Any]]:
     """``(variant, options)`` to apply again from a :func:`variant_record` (``where`` names its source in the
-    errors); ValueError for a missing record, another format, or options the record could not hold."""
+    errors); ValueError for a missing record, another format, options the record could not hold, or options
+    :func:`apply` does not take (:func:`check_options`: unknown names, wrongly typed or invalid values)."""
     how = "pass the variant explicitly (vlpe.integrations.transformers.apply(model, variant, **options))"
     if record is None:
         raise ValueError(
@@ -365,12 +367,89 @@ def read_record(record: Any, *, where: str) -> tuple[str | mm.Variant, dict[str,
                 f"{where}: the recorded variant {dict(variant)} must have 'design' and 'allocation' and only the "
                 f"fields {list(_VARIANT_FIELDS)}; {how}"
             )
-        variant = mm.Variant(**variant)
+        check_rotary_options({k: variant[k] for k in ("allocation", "section", "theta") if k in variant},
+                             where=f"{where}: the recorded variant")
+        try:
+            variant = mm.Variant(**variant)
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"{where}: the recorded variant {dict(variant)} is not valid: {e}; {how}") from None
     elif not isinstance(variant, str):
         raise ValueError(f"{where}: the recorded variant must be a name or a dict of fields, got {variant!r}; {how}")
     if not isinstance(options, Mapping):
         raise ValueError(f"{where}: the recorded options must be a dict, got {options!r}; {how}")
+    check_options(variant, options, where=where)
     return variant, dict(options)
+
+
+def check_rotary_options(options: Mapping[str, Any], *, where: str) -> None:
+    """Check the types of the rotary options of :func:`apply` found in ``options``.
+
+    Args:
+        options: options of :func:`apply`; only ``theta``, ``section``, ``allocation`` and ``scaling`` are read.
+        where: names the source of the options in the errors (a file, ``"apply"`` ...).
+
+    Raises:
+        ValueError: ``theta`` is not a finite number > 0 (a string, a boolean, NaN ...), ``section`` not a list of
+            integers >= 0 (or None), ``allocation`` not a name, or ``scaling`` neither a dict nor None.
+    """
+    if "theta" in options:
+        theta = options["theta"]
+        if isinstance(theta, bool) or not isinstance(theta, numbers.Real) or not 0 < float(theta) < math.inf:
+            raise ValueError(f"{where}: option 'theta' (the RoPE base) must be a finite number > 0 such as 10000.0, "
+                             f"got {theta!r}")
+    section = options.get("section")
+    if section is not None and (
+        not isinstance(section, (list, tuple))
+        or not all(isinstance(n, numbers.Integral) and not isinstance(n, bool) and n >= 0 for n in section)
+    ):
+        raise ValueError(f"{where}: option 'section' must be a list of integers >= 0 (rotary pairs per axis, e.g. "
+                         f"[2, 3, 3]) or None, got {section!r}")
+    if "allocation" in options and not isinstance(options["allocation"], str):
+        raise ValueError(f"{where}: option 'allocation' must be the name of a frequency allocation such as "
+                         f"'interleaved', got {options['allocation']!r}")
+    scaling = options.get("scaling")
+    if scaling is not None and not isinstance(scaling, Mapping):
+        raise ValueError(f"{where}: option 'scaling' must be a vlpe scaling dict such as {{'type': 'yarn', "
+                         f"'factor': 2.0}} or None, got {scaling!r}")
+
+
+def check_options(variant: str | mm.Variant, options: Mapping[str, Any], *, where: str) -> mm.Variant:
+    """Check ``options`` for ``apply(model, variant, **options)`` before any model is touched.
+
+    The names must be options of the variant's design or rotary options (``section``, ``allocation``, ``theta``,
+    ``scaling``), the rotary options of the right types (:func:`check_rotary_options`), and the design options and
+    allocation valid for the variant (:meth:`vlpe.encodings.multimodal.Variant.with_options`).
+
+    Args:
+        variant: a registered name or a :class:`~vlpe.encodings.multimodal.Variant`.
+        options: the options, e.g. those of a record (:func:`read_record`).
+        where: names the source of the variant and options in the errors (a file ...).
+
+    Returns:
+        The variant with the design options and allocation of ``options``.
+
+    Raises:
+        ValueError: an unknown variant, a name that is not an option (``model``, ``variant``, a misspelling), or a
+            value the option does not take; the message starts with ``where``.
+    """
+    try:
+        v = mm.get_variant(variant)
+    except ValueError as e:
+        raise ValueError(f"{where}: {e}") from None
+    design = mm.DESIGNS[v.design]
+    bad = [k for k in options if not isinstance(k, str) or (k not in design.defaults and k not in _ROTARY_KEYS)]
+    if bad:
+        raise ValueError(
+            f"{where}: {', '.join(map(repr, bad))} {'is not an option' if len(bad) == 1 else 'are not options'} of "
+            f"variant {v.label!r}: apply(model, variant, **options) takes the {design.name!r} design's options "
+            f"({', '.join(sorted(design.defaults)) or 'none'}) and {', '.join(_ROTARY_KEYS)}"
+        )
+    check_rotary_options(options, where=where)
+    changes = {k: x for k, x in options.items() if k not in _ROTARY_KEYS}
+    try:
+        return v.with_options(allocation=options.get("allocation"), **changes)
+    except ValueError as e:
+        raise ValueError(f"{where}: {e}") from None
 
 
 class _Stock:
