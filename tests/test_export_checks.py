@@ -11,6 +11,7 @@ import json
 import re
 
 import pytest
+import torch
 
 pytest.importorskip("transformers")
 
@@ -110,3 +111,64 @@ def test_given_variant_options_are_checked_before_loading(tmp_path):
         assert named in str(err.value)
     with pytest.raises(ValueError, match="variant_options must be a dict"):
         vhf.from_pretrained(folder, variant="mrope", variant_options=[("theta", 1e4)])
+
+
+# ------------------------------------------------------------------------------------------ lmms-eval model
+# The model class without lmms-eval's base (``_QwenVLRequests``): its argument checks and inputs need none of it.
+
+
+@pytest.mark.parametrize("arg, value", [("fps", "nan"), ("fps", float("nan")), ("fps", "inf"), ("fps", float("inf")),
+                                        ("fps", "-1"), ("fps", 0), ("fps", True), ("max_frames", "inf"),
+                                        ("max_frames", float("inf")), ("max_frames", float("nan")), ("max_frames", 2.5),
+                                        ("max_frames", "1e400"), ("batch_size", float("nan")),
+                                        ("max_new_tokens", float("inf"))])  # fmt: skip
+def test_lmms_eval_model_args_are_checked_at_construction(arg, value, tmp_path):
+    from vlpe.integrations.lmms_eval import _QwenVLRequests
+
+    folder = folder_with(tmp_path, json.dumps({"model_type": "qwen2_vl"}))  # no weights: checked before loading
+    with pytest.raises(ValueError, match=f"{arg}= expects a positive") as err:
+        _QwenVLRequests(pretrained=str(folder), variant="mrope", **{arg: value})
+    assert repr(value) in str(err.value)
+
+
+def lmms_requests(processor_step: int = 2):
+    """The lmms-eval model's request side alone: no weights, a processor stand-in with a temporal patch."""
+    from types import SimpleNamespace
+
+    from vlpe.integrations.lmms_eval import _QwenVLRequests
+
+    lm = _QwenVLRequests.__new__(_QwenVLRequests)
+    lm.processor = SimpleNamespace(video_processor=SimpleNamespace(temporal_patch_size=processor_step))
+    lm.max_frames, lm.fps, lm._prompt_cache, lm._device = 8, 2.0, None, torch.device("cpu")
+    return lm
+
+
+def test_lmms_eval_unreadable_visuals_name_the_task_document_and_file(tmp_path, monkeypatch):
+    from types import SimpleNamespace
+
+    import numpy as np
+
+    from data.video import write_video
+
+    good = write_video(tmp_path / "good.mp4", np.full((8, 56, 56, 3), 100, np.uint8), fps=4.0)
+    flipped = tmp_path / "flipped.mp4"
+    flipped.write_bytes(bytes(b ^ 0xFF for b in good.read_bytes()))
+    (tmp_path / "broken.png").write_bytes(b"\x89PNG not an image")
+    lm = lmms_requests()
+    frames, _ = lm._frames(str(good))  # the intact file decodes
+    assert frames.shape[0] == 4
+    lm.task_dict = {"tiny_task": {"test": {7: {"media": str(flipped)}, 8: {"media": str(tmp_path / "broken.png")},
+                                           9: {"media": str(good)}}}}  # fmt: skip
+    for doc_id, name in ((7, "flipped.mp4"), (8, "broken.png")):
+        request = SimpleNamespace(args=("Q?", None, lambda doc: [doc["media"]], doc_id, "tiny_task", "test"))
+        with pytest.raises(ValueError, match=f"task 'tiny_task', document {doc_id} .*{re.escape(name)}"):
+            lm._inputs(request)
+    import transformers.video_utils
+
+    def undecodable(*args, **kwargs):  # a decoder that fails on a damaged header as PyAV can: not a ValueError
+        raise UnicodeDecodeError("utf-8", b"\xff", 0, 1, "invalid start byte")
+
+    monkeypatch.setattr(transformers.video_utils, "load_video", undecodable)
+    request = SimpleNamespace(args=("Q?", None, lambda doc: [doc["media"]], 9, "tiny_task", "test"))
+    with pytest.raises(ValueError, match="task 'tiny_task', document 9 .*good.mp4.*UnicodeDecodeError"):
+        lm._inputs(request)

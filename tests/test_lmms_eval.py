@@ -251,6 +251,9 @@ def test_bad_model_args_name_what_was_expected(folder, tmp_path):
         f"pretrained={folder},variant=none,scaling={{\"type\":\"linear\",\"factor\":2}}": "variant=none",
         f"pretrained={folder},variant={VARIANT},dtype=int8": "dtype= expects one of",
         f"pretrained={folder},variant={VARIANT},max_frames=0": "max_frames= expects a positive int",
+        f"pretrained={folder},variant={VARIANT},max_frames=inf": "max_frames= expects a positive int",
+        f"pretrained={folder},variant={VARIANT},fps=nan": "fps= expects a positive float",
+        f"pretrained={folder},variant={VARIANT},fps=inf": "fps= expects a positive float",
         f"pretrained={folder},variant={VARIANT},frames=8": "unknown model_args ['frames']",
         f"pretrained={folder}": "variant=NAME",  # the folder records no variant
     }

@@ -33,15 +33,19 @@ multiple-choice scoring picks the option with the smallest), from one forward, a
 produce the continuation; the pairs are handed over so that lmms-eval 0.7.3's evaluator keeps them as numbers
 (:func:`_through_evaluator`). Visuals are video file paths, image file paths and PIL images, placed before the text
 in one user turn of the processor's chat template (without a template: ``<|vision_start|>`` pad ``<|vision_end|>``
-then the text). Multi-round generation is not supported.
+then the text). A visual file that cannot be read (a damaged video or image, whatever its decoder raises) stops the
+run with a ValueError naming the task, the document and the file: a document skipped or answered empty would be
+scored as a wrong answer and change the task's metric silently. Multi-round generation is not supported.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
+import math
 import os
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Iterator, Sequence
 
 import torch
 
@@ -95,12 +99,16 @@ def _json_arg(name: str, value: Any, example: str) -> dict | None:
 
 
 def _positive(name: str, value: Any, kind: type) -> Any:
+    """The ``model_args`` value ``value`` as a finite ``kind`` > 0 (an ``int``: a whole number); ValueError naming
+    ``name`` otherwise (NaN, infinity, a boolean, zero, a fraction for an int ...)."""
     try:
         x = kind(value)
-    except (TypeError, ValueError):
-        x = None
-    if x is None or isinstance(value, bool) or x <= 0 or (kind is int and x != float(value)):
-        raise ValueError(f"{MODEL_NAME}: {name}= expects a positive {kind.__name__}, got {value!r}")
+        whole = kind is not int or x == float(value)
+    except (TypeError, ValueError, OverflowError):
+        x, whole = None, False
+    if x is None or isinstance(value, bool) or not whole or not math.isfinite(x) or x <= 0:
+        example = "2" if kind is int else "a finite number such as 2.0"
+        raise ValueError(f"{MODEL_NAME}: {name}= expects a positive {kind.__name__} ({example}), got {value!r}")
     return x
 
 
@@ -128,6 +136,21 @@ def _through_evaluator(scores: list[tuple[float, bool]]) -> list:
     if unwrap is None or unwrap((0.0, True))[0] == (0.0, True):
         return scores
     return [instance.GenerationResult(text=s) for s in scores]
+
+
+@contextlib.contextmanager
+def _naming(request, kind: str, path: Any) -> Iterator[None]:
+    """Turn any error of reading the ``kind`` file ``path`` of ``request``'s document into a ValueError naming the
+    task, the document and the file (decoders raise what they like: PyAV's ``InvalidDataError``, a
+    ``UnicodeDecodeError`` of a damaged header, PIL's ``UnidentifiedImageError`` ...)."""
+    try:
+        yield
+    except Exception as e:
+        *_, doc_id, task, split = request.args
+        raise ValueError(
+            f"{MODEL_NAME}: task {task!r}, document {doc_id!r} ({split} split): cannot read the {kind} {str(path)!r} "
+            f"({type(e).__name__}: {e}); repair or replace the file, or leave the document out of the task"
+        ) from e
 
 
 class _QwenVLRequests:
@@ -265,7 +288,8 @@ class _QwenVLRequests:
         out = []
         for v in _flatten(doc_to_visual(self.task_dict[task][split][doc_id])):
             if isinstance(v, (str, os.PathLike)) and str(v).lower().endswith(_IMAGE_SUFFIXES):
-                v = Image.open(v).convert("RGB")
+                with _naming(request, "image", v):
+                    v = Image.open(v).convert("RGB")
             if not isinstance(v, (str, os.PathLike, Image.Image)):
                 raise ValueError(f"{MODEL_NAME} takes video file paths, image files and PIL images; task {task!r} "
                                  f"gave a {type(v).__name__}")  # fmt: skip
@@ -297,7 +321,11 @@ class _QwenVLRequests:
         images = [v for v in visuals if not isinstance(v, str)]
         if images:
             kwargs["images"] = images
-        videos = [self._frames(v) for v in visuals if isinstance(v, str)]
+        videos = []
+        for v in visuals:
+            if isinstance(v, str):
+                with _naming(request, "video", v):
+                    videos.append(self._frames(v))
         if videos:
             kwargs.update(videos=[f for f, _ in videos], video_metadata=[m for _, m in videos], do_sample_frames=False)
         out = self.processor(text=[self._prompt(context, visuals)], return_tensors="pt", **kwargs)
