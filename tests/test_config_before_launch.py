@@ -72,3 +72,60 @@ def test_a_training_script_fails_before_the_process_group(tmp_path, no_process_g
     with pytest.raises(ConfigError, match="deepspeed.zero_optimization.stage=2 disagrees with train.zero_stage=0"):
         points_main(["--config", CONFIG, "--deepspeed_config", str(bad), f"train.out_dir={tmp_path / 'run'}"])
     assert not (tmp_path / "run").exists()
+
+
+def test_offload_the_stage_does_not_do_is_refused_before_launch(no_process_group):
+    """Parameters are offloaded by ZeRO-3 only: at stage 2 DeepSpeed would keep them in place without a word.
+    DeepSpeed's deprecated spelling (``cpu_offload_param``) counts as it counts it."""
+    with pytest.raises(ConfigError, match=r"offload_param \(device cpu\).*needs train.zero_stage=3, got "
+                                          r"train.zero_stage=2"):  # fmt: skip
+        parse(PointsConfig, ["--config", CONFIG, "train.zero_stage=2", "deepspeed.zero_optimization.offload_param."
+                             "device=cpu"])  # fmt: skip
+    with pytest.raises(ConfigError, match="offload_param"):
+        parse(PointsConfig, ["--config", CONFIG, "train.zero_stage=1",
+                             "deepspeed.zero_optimization.cpu_offload_param=true"])  # fmt: skip
+    with pytest.raises(ConfigError, match=r"offload_optimizer \(device cpu\).*needs train.zero_stage 1, 2 or 3"):
+        parse(PointsConfig, ["--config", CONFIG, "train.zero_stage=0",
+                             "deepspeed.zero_optimization.offload_optimizer.device=cpu"])  # fmt: skip
+    # what ZeRO does offload is accepted
+    offload_optimizer = "deepspeed.zero_optimization.offload_optimizer.device=cpu"
+    for stage in (1, 2, 3):
+        parse(PointsConfig, ["--config", CONFIG, f"train.zero_stage={stage}", offload_optimizer])
+    parse(PointsConfig, ["--config", CONFIG, "train.zero_stage=3", offload_optimizer,
+                         "deepspeed.zero_optimization.offload_param.device=cpu"])  # fmt: skip
+    parse(PointsConfig, ["--config", CONFIG, "train.zero_stage=2", "deepspeed.zero_optimization.offload_param."
+                         "device=none"])  # fmt: skip
+
+
+def test_wandb_monitor_without_wandb_names_the_extra_before_launch(tmp_path, monkeypatch, no_process_group):
+    """``deepspeed.wandb.enabled=true`` without the package failed on rank 0 after the launch ("please pip install
+    wandb"); now the command line says which extra installs it. ``sys.modules[name] = None`` makes a package
+    unimportable whether or not it is installed."""
+    import importlib.machinery
+    import sys
+    import types
+
+    monkeypatch.setitem(sys.modules, "wandb", None)
+    for argv in (["deepspeed.wandb.enabled=true"], ["deepspeed.wandb.enabled=true", "deepspeed.wandb.project=p"]):
+        with pytest.raises(ConfigError, match=r"deepspeed.wandb.enabled=true needs the wandb package.*"
+                                              r"pip install -e '\.\[wandb\]' \(or pip install wandb\)"):  # fmt: skip
+            parse(PointsConfig, ["--config", CONFIG, *argv])
+    with pytest.raises(ConfigError, match=r"pip install -e '\.\[wandb\]'"):
+        points_main(["--config", CONFIG, "deepspeed.wandb.enabled=true", f"train.out_dir={tmp_path / 'run'}"])
+    assert not (tmp_path / "run").exists()
+    parse(PointsConfig, ["--config", CONFIG, "deepspeed.wandb.enabled=false"])  # off: nothing to import
+    stand_in = types.ModuleType("wandb")
+    stand_in.__spec__ = importlib.machinery.ModuleSpec("wandb", None)
+    monkeypatch.setitem(sys.modules, "wandb", stand_in)  # importable: accepted
+    parse(PointsConfig, ["--config", CONFIG, "deepspeed.wandb.enabled=true"])
+
+
+def test_the_wandb_extra_is_optional():
+    """wandb is an extra of its own: not a pin of the environment, not in [all]."""
+    import tomllib
+
+    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    assert [x.split(">")[0].split("=")[0].strip() for x in extras["wandb"]] == ["wandb"]
+    assert not any(x.startswith("wandb") for x in extras["all"])
+    pins = [ln.split("==")[0].strip() for ln in (ROOT / "requirements.txt").read_text().splitlines()]
+    assert "wandb" not in pins

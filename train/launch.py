@@ -156,6 +156,8 @@ def deepspeed_config(train: TrainSection, overrides: dict, *, world: int, device
     cfg = _deep_merge(cfg, overrides or {})
     _check_deepspeed_keys(cfg, overrides or {}, world=world)
     _refuse_unsafe_loading(cfg)
+    _check_offload(cfg, train)
+    _check_monitors(cfg)
     owned = [k for k in ("optimizer", "scheduler") if k in cfg]
     if owned:
         raise ConfigError(
@@ -249,6 +251,68 @@ def _refuse_unsafe_loading(cfg: dict) -> None:
             "holds, and the training scripts load checkpoints only through a weights_only=True loader. Drop the key "
             "and resume from a checkpoint the scripts wrote (train.resume=auto), with the same number of ranks"
         )
+
+
+def offload_devices(cfg: dict) -> tuple[str, str]:
+    """Where ZeRO keeps the optimizer state and the parameters of the DeepSpeed config ``cfg``.
+
+    Read through DeepSpeed's own ZeRO config model, so its aliases and deprecated spellings (``cpu_offload``,
+    ``cpu_offload_param``) count as it counts them.
+
+    Args:
+        cfg (dict): a DeepSpeed config, as :func:`deepspeed_config` returns it.
+
+    Returns:
+        tuple[str, str]: the devices of ``offload_optimizer`` and ``offload_param``: ``"cpu"``, ``"nvme"`` or
+        ``"none"`` (not offloaded).
+    """
+    from deepspeed.runtime.zero.config import get_zero_config
+
+    zero = get_zero_config(cfg)
+
+    def device(section) -> str:
+        value = "none" if section is None else section.device
+        return str(getattr(value, "value", value))  # an enum member or, as DeepSpeed stores it, its value
+
+    return device(zero.offload_optimizer), device(zero.offload_param)
+
+
+def _check_offload(cfg: dict, train: TrainSection) -> None:
+    """``ConfigError`` for an offload the ZeRO stage does not do: parameters are offloaded by ZeRO-3 only
+    (DeepSpeed would keep them on the device at a lower stage without a word), the optimizer state by ZeRO 1-3."""
+    optimizer, param = offload_devices(cfg)
+    if param != "none" and train.zero_stage != 3:
+        raise ConfigError(
+            f"deepspeed.zero_optimization.offload_param (device {param}) offloads the parameters ZeRO-3 partitions "
+            f"and needs train.zero_stage=3, got train.zero_stage={train.zero_stage}; set train.zero_stage=3, or drop "
+            f"offload_param (offload_optimizer alone works at stages 1, 2 and 3)"
+        )
+    if optimizer != "none" and train.zero_stage == 0:
+        raise ConfigError(
+            f"deepspeed.zero_optimization.offload_optimizer (device {optimizer}) offloads the optimizer state ZeRO "
+            f"partitions and needs train.zero_stage 1, 2 or 3, got 0; set train.zero_stage=2 (or 1, or 3)"
+        )
+
+
+#: DeepSpeed monitors that import a package of their own, and the pip names that install it
+_MONITOR_PACKAGES = {
+    "wandb": ("wandb", "pip install -e '.[wandb]' (or pip install wandb)"),
+    "comet": ("comet_ml", "pip install 'comet_ml>=3.41.0'"),
+}
+
+
+def _check_monitors(cfg: dict) -> None:
+    """``ConfigError`` for an enabled DeepSpeed monitor whose package is not importable: DeepSpeed would fail on
+    every rank after the process group started ("please pip install wandb")."""
+    import importlib.util
+
+    for key, (module, install) in _MONITOR_PACKAGES.items():
+        section = cfg.get(key)
+        if isinstance(section, dict) and section.get("enabled") and importlib.util.find_spec(module) is None:
+            raise ConfigError(
+                f"deepspeed.{key}.enabled=true needs the {module} package, which is not installed here; install it "
+                f"with {install}, or set deepspeed.{key}.enabled=false"
+            )
 
 
 def _check_deepspeed_keys(cfg: dict, overrides: dict, *, world: int) -> None:
