@@ -35,7 +35,7 @@ import torch
 
 __all__ = [
     "HFModel", "load_hf_model", "build_hf_task", "prompt_and_options", "model_inputs", "option_logliks",
-    "evaluate_hf", "add_arguments", "check_arguments", "evaluations", "recorded_variant",
+    "evaluate_hf", "add_arguments", "check_arguments", "evaluations", "recorded_variant", "recorded_fps",
 ]  # fmt: skip
 
 DEFAULT_LENGTHS = (8, 16, 32, 64)
@@ -75,7 +75,9 @@ def load_hf_model(path: str | Path, *, variant: str | None = None, variant_optio
     processor = AutoProcessor.from_pretrained(path, local_files_only=True)
     if getattr(processor, "video_processor", None) is None or getattr(processor, "tokenizer", None) is None:
         raise ValueError(f"{path}: the processor has no video processor or tokenizer; a Qwen-VL processor is needed")
-    model = AutoModelForImageTextToText.from_pretrained(path, local_files_only=True).to(device).eval()
+    config = vlpe_hf.load_config(path)  # a vlpe-only export's own rope settings, which stock loaders refuse
+    model = AutoModelForImageTextToText.from_pretrained(path, local_files_only=True, config=config)
+    model = model.to(device).eval()
     if variant != "none":
         vlpe_hf.apply(model, variant, **(variant_options or {}))  # ValueError for other models / unknown variants
     label = variant if isinstance(variant, str) else vlpe_hf.patch_of(model).label  # a recorded Variant's label
@@ -93,6 +95,13 @@ def recorded_variant(path: str | Path) -> tuple[Any, dict]:
     except ValueError as e:
         raise ValueError(f"--hf-model {str(path)!r} without --variant: {e} (--variant V, or none for the stock "
                          "model)") from None  # fmt: skip
+
+
+def recorded_fps(path: str | Path, default: float = 2.0) -> float:
+    """The frame rate the folder ``path`` was fine-tuned at (its record's ``preprocessing``), else ``default``."""
+    from vlpe.integrations import transformers as vlpe_hf
+
+    return float(vlpe_hf.recorded_preprocessing(path).get("fps", default))
 
 
 def build_hf_task(task: str, lengths: Sequence[int], depths: Sequence[float], *, samples_per_cell: int, seed: int,
@@ -283,7 +292,9 @@ def add_arguments(p) -> None:
                         "(default: the variant recorded in each folder's config.json)")
     p.add_argument("--frame-size", type=int, default=224, help="--hf-model: frame side in pixels")
     p.add_argument("--needles", default="photos", choices=["photos", "fashion_mnist"], help="--hf-model: needles")
-    p.add_argument("--fps", type=float, default=2.0, help="--hf-model: frames per second the video is shown at")
+    p.add_argument("--fps", type=float, default=None,
+                   help="--hf-model: frames per second the video is shown at (default: the fps the folder was "
+                        "fine-tuned at, as its config.json records it, else 2)")
     p.add_argument("--train-frames", type=int, default=None,
                    help="--hf-model: lengths up to this count as in-distribution (default: the shortest)")
 
@@ -309,7 +320,8 @@ def evaluations(args) -> list[dict]:
         evaluate_hf(folder, args.lengths, args.depths, variant=v, tasks=args.tasks,
                     samples_per_cell=4 if args.samples is None else args.samples, haystack=args.haystack or "real",
                     frame_size=args.frame_size, needles=args.needles, delta=4 if args.delta is None else args.delta,
-                    fps=args.fps, seed=0 if args.seed is None else args.seed, train_frames=args.train_frames,
+                    fps=recorded_fps(folder) if args.fps is None else args.fps,
+                    seed=0 if args.seed is None else args.seed, train_frames=args.train_frames,
                     device=args.device, progress=not args.no_progress)
         for folder in args.hf_model
         for v in (args.variant or [None])

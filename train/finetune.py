@@ -17,8 +17,9 @@ The pieces:
   ``torch_autocast`` runs bf16 compute with fp32 parameters, as every script here does); at ZeRO-3 a
   ``transformers.integrations.HfDeepSpeedConfig`` of the run's DeepSpeed config is alive while it loads, so the
   weights load straight into partitioned parameters (a 7B model never materialises whole on one rank); then
-  optional LoRA (``peft``), ``train.freeze`` and ``train.gradient_checkpointing``, then the vlpe patch (after LoRA,
-  so that per-head hooks sit on the modules that run).
+  optional LoRA or DoRA (``peft``, the vision tower and mergers left fully trainable), ``train.freeze`` and
+  ``train.gradient_checkpointing``, then the vlpe patch (its per-head hooks follow whatever module sits at a
+  query / key projection, so adapters and their merging are covered in either order).
 * :class:`CausalLM`: the module DeepSpeed trains: ``forward(batch) -> {"loss", "correct", "scored"}``, the summed
   cross-entropy of the supervised tokens divided by their number; the LM head runs on supervised positions only
   (no ``(B, S, vocab)`` logits).
@@ -98,7 +99,8 @@ def family_of(model: nn.Module) -> str:
 def freeze(model: nn.Module, parts: list[str]) -> dict[str, int]:
     """Stop gradients of ``parts`` (``vision``: the vision tower but its merger(s); ``merger``: the merger(s),
     Qwen3-VL's deepstack mergers included; ``llm``: the decoder and the LM head); returns the parameter counts
-    left trainable and frozen."""
+    left trainable and frozen, whole parameters even when ZeRO-3 has partitioned them (``ds_numel``: a partitioned
+    parameter's own tensor is empty)."""
     unknown = [p for p in parts if p not in FREEZE_PARTS]
     if unknown:
         raise ConfigError(f"train.freeze: unknown part(s) {unknown}; choose from {list(FREEZE_PARTS)}")
@@ -116,8 +118,8 @@ def freeze(model: nn.Module, parts: list[str]) -> dict[str, int]:
         chosen += list(text.parameters()) + list(model.lm_head.parameters())
     for p in chosen:
         p.requires_grad_(False)
-    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    frozen = sum(p.numel() for p in model.parameters() if not p.requires_grad)
+    trainable = sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters() if p.requires_grad)
+    frozen = sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters() if not p.requires_grad)
     return {"trainable": trainable, "frozen": frozen}
 
 
@@ -156,9 +158,10 @@ def load_model(cfg, ds_config: dict | None):
     model = AutoModelForImageTextToText.from_pretrained(
         folder, local_files_only=True, dtype=torch.float32, attn_implementation=m.attn_implementation
     )
+    vlpe_hf.keep_used_conversions(model)  # ZeRO-3 loading records unapplied key renamings that the save reverses
     model.config.use_cache = False
     if m.lora.enabled:
-        model = _lora(model, m.lora, zero_stage=t.zero_stage)
+        model = _lora(model, m.lora)
     counts = freeze(model, list(t.freeze)) if t.freeze else None
     if not any(p.requires_grad for p in model.parameters()):
         raise ConfigError(f"train.freeze={list(t.freeze)} leaves no parameter to train; freeze fewer parts")
@@ -176,23 +179,29 @@ def load_model(cfg, ds_config: dict | None):
     return model, processor, keep, counts
 
 
-def _lora(model, lora, *, zero_stage: int):
-    """LoRA adapters (``peft``) on the decoder's linear layers named ``lora.target_modules``; the vision tower keeps
-    its own weights (trainable unless frozen)."""
+def _lora(model, lora):
+    """LoRA (or DoRA, ``lora.use_dora``) adapters of ``peft`` on the decoder's linear layers named
+    ``lora.target_modules``.
+
+    The decoder trains through its adapters only; the vision tower and its merger(s) stay fully trainable (peft
+    freezes every weight it does not wrap; ``train.freeze``, applied afterwards, decides on them), so a run with
+    ``train.freeze=[]`` trains the adapters, the vision tower and the mergers. Returns the Qwen model itself, its
+    projections now peft layers, with the ``PeftModel`` kept for :func:`export` (which merges the adapters).
+
+    Raises:
+        ConfigError: peft is not installed.
+    """
     try:
         from peft import LoraConfig, get_peft_model
     except ImportError as e:  # pragma: no cover - peft is pinned in requirements.txt
         raise ConfigError("model.lora.enabled=true needs peft (pip install peft)") from e
-    if zero_stage == 3:
-        raise ConfigError(
-            "model.lora with train.zero_stage=3 is not supported (merging adapters needs the whole weights on one "
-            "rank); use train.zero_stage=2, or full fine-tuning at ZeRO-3"
-        )
     names = "|".join(lora.target_modules)
-    config = LoraConfig(r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
+    config = LoraConfig(r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout, use_dora=lora.use_dora,
                         target_modules=rf".*language_model.*\.({names})")  # fmt: skip
     peft_model = get_peft_model(model, config)
     inner = peft_model.base_model.model  # the Qwen model, its linear layers now LoRA layers
+    for p in inner.model.visual.parameters():  # not wrapped: trained in full (the vision and merger parts)
+        p.requires_grad_(True)
     inner.__dict__["_vlpe_peft"] = peft_model  # kept for export, outside the module tree (peft_model holds inner)
     return inner
 
@@ -272,7 +281,8 @@ def filler_item(processor) -> dict:
     return item
 
 
-def export(engine, out_dir: Path, *, processor, zero_stage: int) -> Path:
+def export(engine, out_dir: Path, *, processor, zero_stage: int, source: Path | None = None,
+           preprocessing: dict | None = None) -> Path:
     """The trained model as a Hugging Face folder ``<out_dir>/hf`` (stock keys, the variant in config.json, the
     processor beside it); ZeRO-3 weights are gathered module by module onto rank 0 (DeepSpeed's consolidated state
     dict); LoRA adapters are merged into the weights. Returns the folder."""
@@ -299,10 +309,50 @@ def export(engine, out_dir: Path, *, processor, zero_stage: int) -> Path:
             state = model.state_dict()
         if isinstance(dtype, torch.dtype) and dtype.is_floating_point and dtype != torch.float32:
             state = {k: v.to(dtype) if v.is_floating_point() else v for k, v in state.items()}
-        vlpe_hf.save_pretrained(model, folder, state_dict=state, processor=processor)
+        vlpe_hf.save_pretrained(model, folder, state_dict=state, processor=processor, preprocessing=preprocessing)
+        if source is not None:
+            check_keys(folder, source)
     if dist.is_initialized():
         dist.barrier()
     return folder
+
+
+def preprocessing(cfg) -> dict[str, Any]:
+    """The inputs a run trains on, as the export records them for the evaluators (``fps``, ``max_frames``,
+    ``min_pixels``, ``max_pixels``; None where the processor's own budget was used)."""
+    d = cfg.data
+    return {"fps": float(d.fps), "max_frames": int(d.max_frames), "min_pixels": d.min_pixels,
+            "max_pixels": d.max_pixels}  # fmt: skip
+
+
+def weight_keys(folder: Path) -> set[str]:
+    """The tensor names of a folder's safetensors weights (one file or an index of shards), read from the headers."""
+    from safetensors import safe_open
+
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        return set(json.loads(index.read_text())["weight_map"])
+    keys: set[str] = set()
+    for file in sorted(folder.glob("*.safetensors")):
+        with safe_open(str(file), "pt") as f:
+            keys |= set(f.keys())
+    return keys
+
+
+def check_keys(folder: Path, source: Path) -> None:
+    """Refuse an export whose weight names are not the source folder's (another naming would not load in older
+    transformers, serving engines or conversion tools).
+
+    Raises:
+        RuntimeError: naming the keys found only in the export and only in the source.
+    """
+    got, want = weight_keys(folder), weight_keys(source)
+    if want and got != want:
+        extra, missing = sorted(got - want), sorted(want - got)
+        raise RuntimeError(
+            f"the export {folder} names its weights unlike the source {source}: {len(extra)} key(s) only in the "
+            f"export (e.g. {extra[:3]}), {len(missing)} only in the source (e.g. {missing[:3]})"
+        )
 
 
 def main(cfg, raw: dict) -> None:
@@ -371,7 +421,8 @@ def main(cfg, raw: dict) -> None:
         validate=validate if val_set is not None else None,
         run_config=run_config,
         tokens_per_sample=lambda batch: int(batch["input_ids"].numel()),
-        export=lambda engine, out_dir: export(engine, out_dir, processor=processor, zero_stage=t.zero_stage),
+        export=lambda engine, out_dir: export(engine, out_dir, processor=processor, zero_stage=t.zero_stage,
+                                              source=Path(cfg.model.hf_model), preprocessing=preprocessing(cfg)),
     )
     del keep
     if rank == 0 and t.num_workers == 0:  # DataLoader workers keep their own counts: these stay empty then

@@ -79,7 +79,14 @@ of one packed sample is refused (it would restart the sample's text positions).
 
 
 from .attention import register_attention
-from .export import from_pretrained, recorded_variant, save_pretrained
+from .export import (
+    keep_used_conversions,
+    load_config,
+    from_pretrained,
+    recorded_preprocessing,
+    recorded_variant,
+    save_pretrained,
+)
 from .ids import pack_position_ids, prompt_position_ids
 from .patch import Patch, apply, patch_of, position_ids, read_record, remove, variant_record
 from .rotary import MultimodalRotary, RotarySettings
@@ -98,6 +105,9 @@ __all__ = [
     "save_pretrained",
     "from_pretrained",
     "recorded_variant",
+    "recorded_preprocessing",
+    "load_config",
+    "keep_used_conversions",
     "variant_record",
     "read_record",
 ]

@@ -14,6 +14,8 @@ from __future__ import annotations
 import copy
 import inspect
 import json
+import math
+import os
 from pathlib import Path
 from typing import Any, Mapping
 
@@ -22,8 +24,14 @@ from torch import nn
 from vlpe.encodings import multimodal as mm
 
 from .patch import RECORD_KEY, apply, check_options, patch_of, read_record
+from .stock import mark_config, restore_config
 
-__all__ = ["save_pretrained", "from_pretrained", "recorded_variant"]
+__all__ = [
+    "save_pretrained", "from_pretrained", "recorded_variant", "recorded_preprocessing", "load_config",
+    "keep_used_conversions", "PREPROCESSING",
+]
+
+PREPROCESSING = ("fps", "max_frames", "min_pixels", "max_pixels")  # what a record may say about the inputs
 
 
 def _config_file(path: str | Path) -> tuple[Path, dict[str, Any]]:
@@ -98,8 +106,10 @@ def from_pretrained(
         check_options(variant, options, where=f"from_pretrained({str(path)!r}, variant={variant!r})")
     from transformers import AutoModelForImageTextToText
 
-    loaded = AutoModelForImageTextToText.from_pretrained(path, **{"local_files_only": True, **from_pretrained_kwargs})
-    model = loaded[0] if isinstance(loaded, tuple) else loaded
+    kwargs = {"local_files_only": True, **from_pretrained_kwargs}
+    kwargs.setdefault("config", load_config(path))  # a vlpe-only export's own rope types back
+    loaded = AutoModelForImageTextToText.from_pretrained(path, **kwargs)
+    model = keep_used_conversions(loaded[0] if isinstance(loaded, tuple) else loaded)
     apply(model, variant, **options)
     return loaded
 
@@ -110,17 +120,38 @@ def save_pretrained(
     *,
     state_dict: dict | None = None,
     processor: Any = None,
+    preprocessing: Mapping[str, Any] | None = None,
     safe_serialization: bool = True,
     is_main_process: bool = True,
+    **save_kwargs: Any,
 ) -> Path:
     """Write ``model`` (a patched Qwen-VL model, or a stock one) to the folder ``path`` as ``model.save_pretrained``
-    does, with the record of its patch in ``config.json``, and ``processor`` when given; returns ``path``.
+    does, with the record of its patch in ``config.json``, and ``processor`` when given.
 
-    ``state_dict`` goes to ``save_pretrained`` as is (e.g. the 16-bit weights gathered from ZeRO-3; its keys are
-    the stock model's), ``is_main_process`` too (only that process writes, the processor included). The record
-    written is the one of the installed patch; an unpatched model whose config still carries a record (loaded from
-    such a folder without :func:`from_pretrained`) is refused, since the record would name a variant the weights
-    were not trained with. Merge adapters first (peft's ``merge_and_unload``): the model must be the Qwen-VL model.
+    The export is one of two kinds (:mod:`.stock`): where the patch is expressible in the family's own config, its
+    rope settings are written there and stock loaders compute vlpe's positions and tables; otherwise the config's
+    rope types name vlpe and :func:`from_pretrained`, so stock loaders refuse the folder instead of running stock
+    positions. The record's ``"export"`` entry says which. A patched model's own ``model.save_pretrained`` comes
+    here too.
+
+    Args:
+        model: the Qwen-VL model (adapters merged: peft's ``merge_and_unload``).
+        path: the folder to write.
+        state_dict: passed to ``save_pretrained`` as is (e.g. the 16-bit weights gathered from ZeRO-3, with the
+            model's own keys).
+        processor: saved beside the model when given.
+        preprocessing: the inputs the model was trained on (``fps``, ``max_frames``, ``min_pixels``,
+            ``max_pixels``), recorded for the evaluators (:func:`recorded_preprocessing`).
+        safe_serialization: safetensors (the installed transformers writes nothing else).
+        is_main_process: only that process writes (the processor included).
+        **save_kwargs: any other argument of transformers' ``save_pretrained`` (``max_shard_size`` ...).
+
+    Returns:
+        ``path``.
+
+    Raises:
+        ValueError: an unpatched model whose config still carries a record (it would name a variant the weights
+            were not trained with: apply it, or delete ``model.config.vlpe``); ``safe_serialization=False``.
     """
     patch = patch_of(model)
     config = model.config
@@ -131,12 +162,79 @@ def save_pretrained(
         )
     if patch is not None and patch.record is not None:
         setattr(config, RECORD_KEY, copy.deepcopy(patch.record))
-    kwargs: dict[str, Any] = {}
-    if "safe_serialization" in inspect.signature(model.save_pretrained).parameters:
+    save = type(model).save_pretrained  # the class's own: a patched instance's save_pretrained leads here
+    kwargs: dict[str, Any] = dict(save_kwargs)
+    if "safe_serialization" in inspect.signature(save).parameters:
         kwargs["safe_serialization"] = safe_serialization
     elif not safe_serialization:
         raise ValueError("safe_serialization=False: the installed transformers writes safetensors only")
-    model.save_pretrained(path, state_dict=state_dict, is_main_process=is_main_process, **kwargs)
-    if processor is not None and is_main_process:
-        processor.save_pretrained(path)
+    save(model, path, state_dict=state_dict, is_main_process=is_main_process, **kwargs)
+    if is_main_process:
+        file = Path(path) / "config.json"
+        marked = mark_config(json.loads(file.read_text()), model, patch, preprocessing)
+        tmp = file.with_name(f".{file.name}.tmp")
+        tmp.write_text(json.dumps(marked, indent=2, sort_keys=True) + "\n")
+        os.replace(tmp, file)
+        if processor is not None:
+            processor.save_pretrained(path)
     return Path(path)
+
+
+def recorded_preprocessing(path: str | Path) -> dict[str, Any]:
+    """The inputs the checkpoint folder ``path`` was trained on, as its record keeps them (``fps``, ``max_frames``,
+    ``min_pixels``, ``max_pixels``; ``{}`` when none were recorded).
+
+    Raises:
+        ValueError: as :func:`recorded_variant` for the folder, or a ``preprocessing`` entry that is not a dict of
+            positive numbers.
+    """
+    file, config = _config_file(path)
+    record = config.get(RECORD_KEY)
+    found = record.get("preprocessing", {}) if isinstance(record, Mapping) else {}
+    bad = not isinstance(found, Mapping) or any(
+        k not in PREPROCESSING or isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0
+        for k, v in (found.items() if isinstance(found, Mapping) else ())
+    )
+    if bad:
+        raise ValueError(f"{file}: the vlpe record's 'preprocessing' must map {list(PREPROCESSING)} to positive numbers, "
+                         f"got {found!r}; the file was edited: fix or remove that entry")  # fmt: skip
+    return dict(found)
+
+
+def load_config(path: str | Path):
+    """The model config of the checkpoint folder ``path`` as transformers builds the model from it, with the
+    original rope types of a vlpe-only export put back (:func:`vlpe.integrations.transformers.stock.restore_config`).
+
+    Returns:
+        A ``PretrainedConfig`` to pass as ``from_pretrained(path, config=...)``.
+
+    Raises:
+        ValueError: as :func:`recorded_variant` for the file, an unknown ``model_type``, or a vlpe-only record that
+            does not match the file.
+    """
+    from transformers import CONFIG_MAPPING
+
+    file, config = _config_file(path)
+    config = restore_config(config, where=str(file))
+    kind = config.get("model_type")
+    if kind not in CONFIG_MAPPING:
+        raise ValueError(f"{file}: model_type {kind!r} is not a model type the installed transformers knows")
+    return CONFIG_MAPPING[kind].from_dict(config)
+
+
+def keep_used_conversions(model: nn.Module) -> nn.Module:
+    """Keep only the key conversions that loading ``model`` applied, for its ``save_pretrained`` to reverse.
+
+    transformers 5.x records the key renamings it applied while loading a checkpoint and reverses them on save, so
+    that the saved file has the source's keys. Loading under DeepSpeed ZeRO-3 records every conversion of the
+    architecture instead, applied or not, and the save then renames keys the source never had
+    (``model.model.layers.*`` for ``model.layers.*``). Each conversion knows whether it was applied
+    (``was_used``); the others are dropped here. A model without recorded conversions is left as it is.
+
+    Returns:
+        ``model``.
+    """
+    recorded = getattr(model, "_weight_conversions", None)
+    if recorded:
+        model._weight_conversions = [c for c in recorded if not hasattr(c, "was_used") or c.was_used()]
+    return model

@@ -14,7 +14,7 @@ from torch import Tensor, nn
 
 from vlpe.encodings import multimodal as mm
 
-from .attention import MASK_BASES, AttentionHooks, head_modules, register_attention
+from .attention import MASK_BASES, AttentionHooks, register_attention
 from .ids import PositionIds
 from .rotary import MultimodalRotary, RotarySettings, rotary_settings
 
@@ -79,6 +79,7 @@ class Patch(PositionIds, AttentionHooks):
         self._pending: tuple | None = None
         self._pads: Tensor | None = None
         self._heads: tuple[Tensor, Tensor] | None = None
+        self._rotating: dict[int, tuple] = {}  # layer -> (query / key modules, their per-head hook handles)
         self._handles: list = []
         self._shadowed: list[tuple] = []  # (instance, name, had its own, its own)
         self._attn_implementation: str | None = None  # the text model's before the patch (masked designs)
@@ -131,6 +132,7 @@ class Patch(PositionIds, AttentionHooks):
             self._shadow(self.base, name)
         if self.model is not self.base and hasattr(type(self.model), _GENERATION):
             self._shadow(self.model, _GENERATION, self.prepare_position_ids_for_generation)
+        self._shadow(self.model, "save_pretrained", self.save_pretrained)  # exports through vlpe (stock.py)
         self.base.rope_deltas = None
         self._handles.append(text.register_forward_pre_hook(self.text_model_pre_hook, with_kwargs=True))
         if self.layered or self.masked or self.per_head:
@@ -139,8 +141,7 @@ class Patch(PositionIds, AttentionHooks):
                 self._handles.append(attn.register_forward_pre_hook(self.attention_pre_hook, with_kwargs=True))
                 if self.per_head:
                     self._handles.append(attn.register_forward_hook(self.attention_post_hook, with_kwargs=True))
-                    for m in head_modules(attn):
-                        self._handles.append(m.register_forward_hook(self.rotate_heads_hook))
+                    self.place_head_hooks(attn)  # and again at every call: they follow wrappers of q/k (LoRA)
         if self.masked:
             current = text.config._attn_implementation
             register_attention()
@@ -148,6 +149,14 @@ class Patch(PositionIds, AttentionHooks):
             self._attn_implementation = current
         if self.record is not None:
             setattr(self.base.config, RECORD_KEY, copy.deepcopy(self.record))
+
+    def save_pretrained(self, save_directory, **kwargs: Any) -> None:
+        """Bound on the patched model as its ``save_pretrained``: the export of
+        :func:`vlpe.integrations.transformers.save_pretrained` (stock rope settings where they express the patch,
+        a folder stock loaders refuse otherwise), with transformers' arguments."""
+        from .export import save_pretrained
+
+        save_pretrained(self.model, save_directory, **kwargs)
 
     def _shadow(self, obj: nn.Module, name: str, value: Any = None) -> None:
         """Shadow a method on one instance (its ``__dict__``) by the patch's own."""
@@ -170,6 +179,10 @@ class Patch(PositionIds, AttentionHooks):
                 obj.__dict__.pop(name, None)
         while self._handles:
             self._handles.pop().remove()
+        for _, handles in self._rotating.values():
+            for handle in handles:
+                handle.remove()
+        self._rotating.clear()
         if self._attn_implementation is not None:
             self.model.set_attn_implementation({"text_config": self._attn_implementation})
             self._attn_implementation = None
