@@ -73,13 +73,16 @@ class ModelSection:
 
 @dataclass(kw_only=True)
 class LoraSection:
-    """LoRA adapters (peft) on the decoder's linear layers; merged into the weights on export."""
+    """LoRA adapters (peft) on the decoder's linear layers; merged into the weights on export. The vision tower and
+    its merger(s) are not wrapped and train in full unless ``train.freeze`` names them. ZeRO-2 or less (merging
+    needs whole weights on one rank)."""
 
     enabled: bool = False
     r: int = 16
     alpha: int = 32
     dropout: float = 0.05
     target_modules: list[str] = field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"])
+    use_dora: bool = False  # DoRA (weight-decomposed LoRA, peft's use_dora): a learned magnitude per output row
 
 
 @dataclass(kw_only=True)
@@ -180,6 +183,12 @@ def check_mode(cfg: "VLMConfig") -> None:
             raise ConfigError(f"data.max_skipped must be >= 0, got {cfg.data.max_skipped}")
         if cfg.data.fps <= 0:
             raise ConfigError(f"data.fps must be > 0, got {cfg.data.fps}")
+        if cfg.model.lora.enabled and cfg.train.zero_stage == 3:
+            raise ConfigError(
+                "model.lora.enabled=true needs train.zero_stage 0, 1 or 2, got 3: the adapters are merged into "
+                "whole weights on one rank at export, which ZeRO-3's partitions do not hold; set train.zero_stage=2 "
+                "(the decoder's base weights are frozen, so LoRA needs little memory), or fine-tune in full at ZeRO-3"
+            )
 
 
 def build_tokenizer(data: DataSection):

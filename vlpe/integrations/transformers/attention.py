@@ -128,8 +128,9 @@ def head_modules(attn: nn.Module) -> tuple[nn.Module, nn.Module]:
 
 class AttentionHooks:
     """The hooks of :class:`vlpe.integrations.transformers.Patch` (a mixin: the patch holds ``variant``,
-    ``layered``, ``masked``, ``per_head``, ``rows`` and the per-call slot ``_heads``). All are bound methods of
-    the patch, so a deep copy or a pickle of the model carries them to its own patch."""
+    ``layered``, ``masked``, ``per_head``, ``rows``, the per-call slot ``_heads`` and ``_rotating``, the modules
+    carrying the per-head hooks of every layer and their handles). All are bound methods of the patch, so a deep
+    copy or a pickle of the model carries them to its own patch."""
 
     def attention_pre_hook(self, module: nn.Module, args: tuple, kwargs: dict):
         """Forward pre-hook of every decoder attention: the layer's own tables (PyPE) and mask; per-head tables
@@ -143,6 +144,7 @@ class AttentionHooks:
         if self.layered and len(tables) == 4:  # (L, B, S, D) tables of every layer: pick this one's
             cos, sin = cos[layer], sin[layer]
         if self.per_head:
+            self.place_head_hooks(module)
             if cos.dim() != 4:
                 raise ValueError(
                     f"variant {self.label!r} rotates every KV head by its own axis: position_embeddings must be "
@@ -163,14 +165,35 @@ class AttentionHooks:
                 kwargs["vlpe_keep"] = keep & (labels.unsqueeze(-1) == labels.unsqueeze(-2)).unsqueeze(1)
         return args, kwargs
 
+    def place_head_hooks(self, attn: nn.Module) -> None:
+        """Keep :meth:`rotate_heads_hook` on the modules that produce ``attn``'s queries and keys now
+        (:func:`head_modules`, read at every call): a wrapper that took a projection's place after the patch (a
+        LoRA or DoRA layer) gets the hooks and the module inside it loses them, and the plain projection gets them
+        back once the wrapper is gone (adapters merged and unloaded), so the whole projection, adapters included,
+        is rotated exactly once whatever the order of patching and wrapping.
+
+        Args:
+            attn: a decoder attention module of the patched model (its ``layer_idx`` keys the placement).
+        """
+        modules = head_modules(attn)
+        placed = self._rotating.get(attn.layer_idx)
+        if placed is not None and all(a is b for a, b in zip(placed[0], modules)):
+            return
+        if placed is not None:
+            for handle in placed[1]:
+                handle.remove()
+        handles = [m.register_forward_hook(self.rotate_heads_hook) for m in modules]
+        self._rotating[attn.layer_idx] = (modules, handles)
+
     def attention_post_hook(self, module: nn.Module, args: tuple, kwargs: dict, output):
         """Forward hook of every decoder attention (per-head variants): the call's tables are let go."""
         self._heads = None
         return None
 
     def rotate_heads_hook(self, module: nn.Module, args: tuple, output: Tensor) -> Tensor:
-        """Forward hook of the query / key module of a decoder attention (per-head variants): rotates every head
-        by the tables of its KV head, in the ``(B, S, H, D)`` layout those modules produce."""
+        """Forward hook of the query / key module of a decoder attention (per-head variants, placed by
+        :meth:`place_head_hooks`): rotates every head by the tables of its KV head, in the ``(B, S, H, D)`` layout
+        those modules produce."""
         if self._heads is None:
             raise ValueError(
                 f"variant {self.label!r}: a decoder attention's query/key projection ran outside the attention call "
