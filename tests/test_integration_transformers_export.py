@@ -5,8 +5,10 @@ loading the folder (``AutoModelForImageTextToText.from_pretrained(..., output_lo
 - a patched model's ``state_dict`` keys, ``named_buffers`` and non-persistent buffers are the stock model's (also
   with a persistent buffer on the stock rotary), state dicts load both ways, and the stock rotary gets back the
   tensors as moved and loaded with the patched model;
-- ``save_pretrained`` of a patched model loads in stock transformers with no missing / unexpected / mismatched key
-  and no warning, with the stock model's weights and logits, and ``config.json`` holds the record of the call;
+- ``save_pretrained`` of a patched model loads in stock transformers (a vlpe-only export with the config
+  :func:`vhf.load_config` restores; stock loaders refuse it, see ``test_export_kinds.py``) with no missing /
+  unexpected / mismatched key and no warning, with the stock model's weights and logits, and ``config.json`` holds
+  the record of the call;
 - :func:`vlpe_hf.from_pretrained` and ``apply(model)`` on the stock-loaded model give the saved model's logits on a
   prompt with an image and a video (mrope_i, videorope with an option, mhrope, pype, vrope, a YaRN time scaling,
   a Variant object with a section), the options changing the logits;
@@ -46,7 +48,11 @@ def mixed_prompt(family: str):
 
 
 def stock_load(folder):
-    """The folder loaded by stock transformers, with its loading info and every warning it logged / raised."""
+    """The folder loaded by stock transformers, with its loading info and every warning it logged / raised; a
+    vlpe-only export (which stock transformers refuses, see ``test_export_kinds.py``) with the config vlpe restores
+    (:func:`vhf.load_config`), i.e. the stock model holding the exported weights."""
+    vlpe_only = json.loads((folder / "config.json").read_text()).get("vlpe", {}).get("export", {}).get("stock") is False
+    config = {"config": vhf.load_config(folder)} if vlpe_only else {}
     records: list[logging.LogRecord] = []
     handler = logging.Handler(level=logging.WARNING)
     handler.emit = records.append
@@ -56,7 +62,7 @@ def stock_load(folder):
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             model, info = AutoModelForImageTextToText.from_pretrained(folder, local_files_only=True,
-                                                                      output_loading_info=True)  # fmt: skip
+                                                                      output_loading_info=True, **config)  # fmt: skip
     finally:
         logger.removeHandler(handler)
     return model.eval(), info, [r.getMessage() for r in records] + [str(w.message) for w in caught]
@@ -100,7 +106,8 @@ def test_save_pretrained_of_a_patched_model_loads_in_stock_transformers(family, 
     model = vhf.apply(_build(family), variant)
     model.save_pretrained(tmp_path)
     record = json.loads((tmp_path / "config.json").read_text())["vlpe"]
-    assert record == {"format": 1, "variant": variant, "options": {}}
+    assert record["export"]["stock"] is False  # another design than the family's: a vlpe-only export
+    assert {k: v for k, v in record.items() if k != "export"} == {"format": 1, "variant": variant, "options": {}}
     loaded, info, logged = stock_load(tmp_path)
     assert type(loaded) is type(stock) and vhf.patch_of(loaded) is None
     assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"]
@@ -161,8 +168,8 @@ def test_options_json_cannot_hold_are_named_and_refused(tmp_path):
     restored = vhf.from_pretrained(tmp_path, variant="qwen25vl", variant_options={"second_per_grid_ts": [1.0]})
     assert vhf.patch_of(restored).design_options["second_per_grid_ts"] == [1.0]
     v = mm.Variant("diagonal", "interleaved", {"generator": torch.Generator()})
-    model = vhf.apply(_build("qwen2_vl"), v, temporal_scale=float("nan"))
-    assert model.config.vlpe["unrecorded"] == ["design_options.generator", "temporal_scale"]
+    model = vhf.apply(_build("qwen2_vl"), v)
+    assert model.config.vlpe["unrecorded"] == ["design_options.generator"]
     with pytest.raises(ValueError, match="design_options.generator"):
         vhf.apply(model)
 

@@ -21,8 +21,10 @@ what was expected):
 - ``device`` (default: ``cuda:$LOCAL_RANK`` when CUDA is available, else ``cpu``; so ``accelerate launch -m
   lmms_eval`` runs one copy per GPU), ``dtype`` (``float32`` / ``bfloat16`` / ``float16``; default bfloat16 on
   CUDA, float32 on the CPU), ``batch_size`` and ``max_batch_size`` (accepted; requests run one at a time).
-- ``max_frames`` (32) and ``fps`` (2.0): a video file is decoded with PyAV (``transformers.video_utils``) at
-  ``fps`` frames per second of its duration, at most ``max_frames`` frames spread evenly over the whole video
+- ``max_frames`` and ``fps`` (default: those the folder was fine-tuned with, as its ``config.json`` records them
+  (:func:`vlpe.integrations.transformers.recorded_preprocessing`), else 32 and 2.0): a video file is decoded with
+  PyAV (``transformers.video_utils``) at ``fps`` frames per second of its duration, at most ``max_frames`` frames
+  spread evenly over the whole video
   (a multiple of the processor's temporal patch); the processor sees those frames with their true timestamps.
 - ``max_new_tokens`` (128): the generation budget when the task sets none.
 
@@ -160,7 +162,7 @@ class _QwenVLRequests:
 
     def __init__(self, *, pretrained: str | None = None, variant: str | None = None, scaling: Any = None,
                  options: Any = None, device: str | None = None, dtype: str | None = None, batch_size: Any = 1,
-                 max_batch_size: Any = None, max_frames: Any = 32, fps: Any = 2.0, max_new_tokens: Any = 128,
+                 max_batch_size: Any = None, max_frames: Any = None, fps: Any = None, max_new_tokens: Any = 128,
                  **unknown: Any) -> None:  # fmt: skip
         super().__init__()
         if unknown:
@@ -179,8 +181,12 @@ class _QwenVLRequests:
         if scaling is not None:
             variant_options["scaling"] = scaling
         self.batch_size_per_gpu = _positive("batch_size", batch_size, int)
-        self.max_frames = _positive("max_frames", max_frames, int)
-        self.fps = _positive("fps", fps, float)
+        from vlpe.integrations import transformers as vlpe_hf
+
+        trained = vlpe_hf.recorded_preprocessing(self.path)  # what an export was fine-tuned on: the defaults
+        self.max_frames = _positive("max_frames", trained.get("max_frames", 32) if max_frames is None else max_frames,
+                                    int)  # fmt: skip
+        self.fps = _positive("fps", trained.get("fps", 2.0) if fps is None else fps, float)
         self.max_new_tokens = _positive("max_new_tokens", max_new_tokens, int)
         self._device = torch.device(device or _default_device())
         if dtype is None:
@@ -232,7 +238,8 @@ class _QwenVLRequests:
             raise ValueError(f"{MODEL_NAME}: {self.path}: the processor has no tokenizer or video processor; a "
                              "Qwen2/2.5/3-VL processor is expected")  # fmt: skip
         if self.variant == "none":
-            model = AutoModelForImageTextToText.from_pretrained(self.path, local_files_only=True, dtype=dtype)
+            model = AutoModelForImageTextToText.from_pretrained(self.path, local_files_only=True, dtype=dtype,
+                                                                config=vlpe_hf.load_config(self.path))
         else:  # ValueError for a model vlpe cannot patch, or options the variant does not take
             model = vlpe_hf.from_pretrained(self.path, variant=self.variant, variant_options=self.variant_options,
                                             dtype=dtype)  # fmt: skip
