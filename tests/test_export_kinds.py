@@ -60,7 +60,7 @@ STOCK = textwrap.dedent(
 
 def prompt(family: str, *, long_video: bool):
     """Text, an image, text, a video, text. ``long_video``: a video whose last temporal position reaches its
-    merged height and width (3 temporal patches over a 2 x 2 merged grid), else one that stays below them."""
+    merged height and width (4 temporal patches over a 2 x 2 merged grid), else one that stays below them."""
     ids_i, types_i, kw_i = make_prompt(family, "image", post=2)
     vgrid = (4, 4, 4) if long_video else (2, 8, 8)
     ids_v, types_v, kw_v = make_prompt(family, "video", pre=2, seed=3, vgrid=vgrid)

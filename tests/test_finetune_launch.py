@@ -4,8 +4,9 @@ configs/hf/<family>.yaml model.hf_model=DIR ...`` on 2 CPU ranks (gloo), as a us
 Tiny random Qwen2-VL / Qwen2.5-VL / Qwen3-VL folders with a real processor and chat template
 (:mod:`models.tiny_qwen_vl`) and a LLaVA-format set of real mp4 files and PNG images
 (:func:`data.instruct.make_vniah_instruct`). What is checked:
-- every family trains at ZeRO-2 and ZeRO-3 (packed and padded), the loss falls, and the export is a folder that
-  stock transformers loads with exactly the keys of the source folder and none missing or unexpected;
+- every family trains at ZeRO-2 and ZeRO-3 (packed and padded), the loss falls, and the export's weights file names
+  its tensors exactly as the source folder's does; it loads (a vlpe-only export with the config vlpe restores) with
+  none missing or unexpected;
 - under vlpe (``vlpe_hf.from_pretrained``) the export gives the logits of the trained model: the weights of the
   run's final DeepSpeed checkpoint (ZeRO-2: the module state; ZeRO-3: DeepSpeed's own fp32 reconstruction)
   loaded into the source model patched with the same variant;
@@ -86,8 +87,15 @@ def check_export(out: Path, source: Path, variant: str, step: int, zero_stage: i
 
     from vlpe.integrations import transformers as vlpe_hf
 
+    from train.finetune import weight_keys
+
     export = out / "hf"
-    stock, info = AutoModelForImageTextToText.from_pretrained(export, local_files_only=True, output_loading_info=True)
+    assert weight_keys(export) == weight_keys(source)  # the files' tensor names, not the loaded models' keys
+    # a vlpe-only export (stock loaders refuse it: test_export_kinds.py) loads as the stock model via load_config
+    stock_kind = json.loads((export / "config.json").read_text())["vlpe"]["export"]["stock"]
+    config = {} if stock_kind else {"config": vlpe_hf.load_config(export)}
+    stock, info = AutoModelForImageTextToText.from_pretrained(export, local_files_only=True, output_loading_info=True,
+                                                              **config)  # fmt: skip
     assert not any(info.values()), info  # no missing / unexpected / mismatched keys, no errors
     src = AutoModelForImageTextToText.from_pretrained(source, local_files_only=True)
     assert set(stock.state_dict()) == set(src.state_dict())
@@ -161,6 +169,14 @@ def test_fine_tune_on_two_ranks_exports_a_stock_folder(family, zero, packing, va
     config = json.loads((out / "hf" / "config.json").read_text())
     assert config["vlpe"]["variant"] == variant
     check_export(out, folder, variant, steps, zero, sample_inputs(folder, vniah_set))
+    # its ZeRO partitions resumed by one process: the harness's refusal, before DeepSpeed's load raises its own
+    cmd = command(family, folder, vniah_set, out, f"model.variant={variant}", f"train.zero_stage={zero}",
+                  f"data.packing={str(packing).lower()}", f"train.steps={steps + 1}", "train.val_every=12",
+                  "train.ckpt_every=12", "train.freeze=[]", "train.resume=auto", ranks=1)  # fmt: skip
+    r = subprocess.run(cmd, cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 2, r.stderr[-2000:]
+    assert "checkpoint error" in r.stderr and "written by 2 ranks" in r.stderr and "1 process" in r.stderr, r.stderr
+    assert "ZeRORuntimeException" not in r.stderr and "Traceback" not in r.stderr, r.stderr[-2000:]
 
 
 @pytest.mark.slow
@@ -216,8 +232,11 @@ def test_lora_exports_merged_weights_and_the_export_evaluates(vniah_set, tiny_qw
                 "train.freeze=[]", ranks=1))  # fmt: skip
     from transformers import AutoModelForImageTextToText
 
+    from vlpe.integrations import transformers as vlpe_hf
+
     stock, info = AutoModelForImageTextToText.from_pretrained(out / "hf", local_files_only=True,
-                                                              output_loading_info=True)  # fmt: skip
+                                                              output_loading_info=True,
+                                                              config=vlpe_hf.load_config(out / "hf"))  # fmt: skip
     assert not any(info.values()), info
     src = AutoModelForImageTextToText.from_pretrained(folder, local_files_only=True)
     assert set(stock.state_dict()) == set(src.state_dict())

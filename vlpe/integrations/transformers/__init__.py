@@ -49,13 +49,16 @@ leaves the other as it was), ``torch.save(model)`` / ``torch.load(..., weights_o
 model, and models patched with different variants run side by side in one process. The rotary module computes its
 frequency matrix once per device and keeps it (no host-to-device copy per forward).
 
-Export (:mod:`.export`): a patched model's ``state_dict`` has the stock model's keys (the stock rotary's tensors are
-held by :class:`MultimodalRotary` under their own names), and :func:`apply` records the variant and its options in
-``model.config.vlpe`` (``{"format": 1, "variant": name or {"design", "allocation", ...}, "options": {...}}``, see
-:func:`variant_record`; :func:`remove` deletes it), so ``model.save_pretrained(DIR)`` (or
-:func:`save_pretrained`, which also takes ZeRO-3-gathered weights and the processor) writes a folder that stock
-``AutoModelForImageTextToText.from_pretrained`` loads unchanged, and :func:`from_pretrained` (or ``apply(model)``
-with no variant on the stock-loaded model) restores the patch exactly::
+Export (:mod:`.export`, :mod:`.stock`): a patched model's ``state_dict`` has the stock model's keys (the stock
+rotary's tensors are held by :class:`MultimodalRotary` under their own names), and :func:`apply` records the variant
+and its options in ``model.config.vlpe`` (``{"format": 1, "variant": name or {"design", "allocation", ...},
+"options": {...}}``, see :func:`variant_record`; :func:`remove` deletes it). ``model.save_pretrained(DIR)`` of a
+patched model is :func:`save_pretrained` (which also takes ZeRO-3-gathered weights, the processor and the
+preprocessing a run trained on): where the family's own config expresses the patch (its own design, another
+``mrope_section``, ``rope_theta``) those settings are written and stock transformers computes vlpe's logits; any
+other patch gets rope types that name vlpe, so stock loaders refuse the folder rather than run stock positions.
+:func:`from_pretrained` (or ``apply(model)`` with no variant on a model loaded with :func:`load_config`) restores
+the patch exactly::
 
     vlpe_hf.save_pretrained(model, "out", processor=processor)   # config.json: "vlpe": {"variant": "mrope_i", ...}
     model = vlpe_hf.from_pretrained("out")                        # patched with mrope_i and the same options

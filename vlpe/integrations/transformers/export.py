@@ -1,12 +1,12 @@
-"""Checkpoint folders of patched models: :func:`save_pretrained` writes one that stock transformers loads (with the
-variant recorded in ``config.json``), :func:`from_pretrained` loads it back patched, :func:`recorded_variant` reads
-the record of a folder without loading it.
+"""Checkpoint folders of patched models: :func:`save_pretrained` writes one (of the kind :mod:`.stock` decides:
+stock loaders compute the same model, or refuse it naming vlpe), :func:`from_pretrained` loads it back patched,
+:func:`recorded_variant` and :func:`recorded_preprocessing` read its record without loading it, :func:`load_config`
+gives the config transformers builds it from.
 
 A patched model's ``state_dict`` has the stock model's keys (:class:`MultimodalRotary` holds the stock rotary's
-tensors under their own names), so the weights file is the stock one; the only addition is the ``"vlpe"`` entry
-of ``config.json`` (:func:`vlpe.integrations.transformers.patch.variant_record`), which stock transformers keeps as
-a plain config attribute. ``tests/test_integration_transformers_export.py`` checks both against stock
-``AutoModelForImageTextToText.from_pretrained``.
+tensors under their own names), so the weights file is the stock one, with the source's tensor names also after a
+ZeRO-3 load (:func:`keep_used_conversions`); ``config.json`` adds the ``"vlpe"`` record
+(:func:`vlpe.integrations.transformers.patch.variant_record`) and the rope settings of the export's kind.
 """
 
 from __future__ import annotations
