@@ -14,8 +14,6 @@ from typing import Sequence
 
 import numpy as np
 
-from vlpe.cache import user_cache_dir
-
 __all__ = [
     "MissingPackageError",
     "require_debian_file",
@@ -55,9 +53,13 @@ def python_package_dir(module: str, *, pip_name: str | None = None) -> Path:
 def cache_dir(sub: str = "") -> Path:
     """Folder for derived files (parsed meshes).
 
-    ``$VLPE_CACHE_DIR`` if set, else ``$XDG_CACHE_HOME/vlpe``, else ``~/.cache/vlpe``.
+    ``$VLPE_CACHE_DIR`` if set, else ``$XDG_CACHE_HOME/vlpe``, else ``~/.cache/vlpe`` (the XDG base-directory
+    convention); created if missing.
     """
-    path = user_cache_dir(sub)
+    root = os.environ.get("VLPE_CACHE_DIR")
+    if not root:
+        root = os.path.join(os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "vlpe")
+    path = Path(root) / sub if sub else Path(root)
     path.mkdir(parents=True, exist_ok=True)
     return path
 

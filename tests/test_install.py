@@ -47,7 +47,7 @@ def test_wheel_holds_the_library_only(wheel):
     top = {n.split("/")[0] for n in names}
     assert top == {"vlpe", f"{wheel.name.split('-')[0]}-{wheel.name.split('-')[1]}.dist-info"}, sorted(top)
     assert "vlpe/encodings/__init__.py" in names and "vlpe/tokenizers/__init__.py" in names
-    assert "vlpe/encodings/multimodal/grid_ids.c" in names  # the C kernel beside its binding (vlpe.native)
+    assert not any(n.endswith((".c", ".h", ".so")) for n in names), "the library is pure Python: no C source or build"
     assert not any(n.startswith("vlpe/demo") for n in names)  # the demo CLI is eval/properties.py
 
 
@@ -85,13 +85,9 @@ def test_every_module_of_the_wheel_imports_without_the_checkout(wheel, tmp_path)
         "        importlib.import_module(name)\n"
         "    except Exception as e:\n"
         "        failed.append(f'{name}: {type(e).__name__}: {e}')\n"
-        "from vlpe.encodings.multimodal import grid_ids_native\n"
-        "if not grid_ids_native.available():\n"
-        "    failed.append('the C kernel of the installed copy did not build')\n"
         "print(vlpe.__file__)\nprint(len(names))\nprint('\\n'.join(failed))\n"
     )
-    env = {**_env(), "VLPE_CACHE_DIR": str(tmp_path / "cache")}  # a fresh build from the installed copy's source
-    r = subprocess.run([str(py), "-c", script], cwd=work, env=env, capture_output=True, text=True, timeout=900)
+    r = subprocess.run([str(py), "-c", script], cwd=work, env=_env(), capture_output=True, text=True, timeout=900)
     assert r.returncode == 0, r.stdout + r.stderr[-3000:]
     lib, count, *failed = r.stdout.splitlines()
     assert Path(lib).is_relative_to(purelib), lib  # the installed copy, not the checkout

@@ -1,6 +1,6 @@
 """Designs, allocations and variants carry their facts as data: no module of ``vlpe`` compares a design, variant or
 encoding name outside the module that defines it, every variant is named once, and the facts each design and
-allocation declares (axes, layer dependence, mask, split frames, fused path, per-head tables, ...) agree with what
+allocation declares (axes, layer dependence, mask, split frames, per-head tables, ...) agree with what
 the ids, maps, tables and encodings do."""
 
 from __future__ import annotations
@@ -131,7 +131,6 @@ def test_design_declares_its_facts(name):
     assert isinstance(d.axes, int) and d.axes >= 1 or isinstance(d.axes, str) and d.axes in d.defaults
     for fact in (d.split_frames, d.layered, d.needs_mask):
         assert isinstance(fact, bool)
-    assert d.fused is None or callable(d.fused)
     assert not d.layered or isinstance(d.axes, str), "a layer-dependent design takes its axis count from an option"
 
 
@@ -183,19 +182,6 @@ def test_split_frames_fact_matches_the_ids(name):
     else:
         with pytest.raises(ValueError, match="do not match grid_thw"):
             mm.position_ids(v, types, grid, **_options(d))
-
-
-@pytest.mark.parametrize("name", [n for n, d in mm.DESIGNS.items() if d.fused is not None])
-def test_fused_path_equals_the_layout_path(name):
-    """The fused path is exact: the same ids and deltas as the layout path (a one-sample packed row takes it)."""
-    d = mm.DESIGNS[name]
-    types, _, grid = batch([tokens(2, ("img", (1, 4, 6)), 3, ("vid", (2, 4, 4)), 2)])
-    S = types.shape[1]
-    fused = d.fused(types, grid, None, d.options({}), spatial_merge_size=2, pad_position=1, dtype=None,
-                    validate=True)
-    assert fused is not None
-    layout = mm.position_ids(mm.Variant(name, _one_axis()), types, grid, cu_seqlens=torch.tensor([0, S]))
-    assert all(torch.equal(f, g) for f, g in zip(fused, layout))
 
 
 # --------------------------------------------------------------------------- allocation facts

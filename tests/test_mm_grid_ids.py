@@ -1,32 +1,47 @@
-"""The fused ``grid`` path (:func:`vlpe.encodings.multimodal.grid_ids.grid_position_ids`) against the general
-path (``token_layout`` -> design -> checks -> assembly) on random batches and random corruptions of them: for
-every input the fused path either gives the general path's ids and deltas exactly or declines (None), and it
-declines exactly where the general path raises. Every test runs twice: on the C kernel (``grid_ids.c``, whose own
-answer is checked as well, so that a decline hidden by the tensor path behind it fails) and on the tensor path."""
+"""MRoPE's ``grid`` ids (:func:`vlpe.encodings.multimodal.position_ids`) against the released semantics and an
+independent check of the layout, on random batches and random corruptions of them: a layout that fits its grid
+rows (every block one run of ``T * H/m * W/m`` vision tokens of one type, in order, blocks of one type separated
+by text, rows positive and divisible by the merge size) gets the ids of the released loop
+(``test_mm_helpers.released_mrope_loop``) exactly, and every other layout raises a ValueError."""
 
 from __future__ import annotations
 
-import dataclasses
 import random
 
 import pytest
 import torch
-from test_mm_helpers import batch, grid_ids_path, native_direct, tokens
+from test_mm_helpers import MERGE, batch, released_mrope_loop, tokens
 
 from vlpe.encodings import multimodal as mm
-from vlpe.encodings.multimodal.grid_ids import grid_position_ids
 
 
-#: MRoPE on the grid design without its fused path: every call takes the general path
-GENERAL = mm.Variant(dataclasses.replace(mm.DESIGNS["grid"], fused=None), mm.VARIANTS["mrope"].allocation)
-
-
-def general(types, grid, mask, **options):
-    """The general path's ``(ids, deltas)``, or the ValueError it raises."""
-    try:
-        return mm.position_ids(GENERAL, types, grid, attention_mask=mask, **options)
-    except ValueError as e:
-        return e
+def fits(types, mask, grid) -> bool:
+    """Whether the vision tokens of ``types`` (real ones, per ``mask``) are the blocks of ``grid`` in order: a loop
+    over each row's runs of one non-zero type, each run one or more whole blocks of its type (more than one only
+    when the types differ, so a run of one type is exactly one block)."""
+    rows = grid.tolist()
+    if any(min(r) < 1 or r[1] % MERGE or r[2] % MERGE for r in rows):
+        return False
+    if ((types < 0) | (types > 2)).any():
+        return False
+    sizes = [r[0] * (r[1] // MERGE) * (r[2] // MERGE) for r in rows]
+    k = 0
+    for b in range(types.shape[0]):
+        seq = [int(t) if real else 0 for t, real in zip(types[b].tolist(), mask[b].tolist())]  # padding ends a run
+        runs, n = [], 0
+        while n < len(seq):  # runs of one vision type
+            if seq[n] == 0:
+                n += 1
+                continue
+            start = n
+            while n < len(seq) and seq[n] == seq[start]:
+                n += 1
+            runs.append(n - start)
+        for length in runs:
+            if k >= len(sizes) or sizes[k] != length:
+                return False
+            k += 1
+    return k == len(sizes)
 
 
 def random_sample(rng: random.Random):
@@ -72,58 +87,51 @@ def corrupt(types, mask, grid, rng: random.Random):
     return types, mask, grid
 
 
-@pytest.fixture(params=["native", "tensor"])
-def path(request):
-    with grid_ids_path(request.param):
-        yield request.param
-
-
-def check(types, mask, grid, path, **options):
-    ref = general(types, grid, mask, **options)
-    fused = grid_position_ids(types, grid, mask, spatial_reset=options.get("spatial_reset", False))
-    direct = native_direct(types, grid, mask, **options) if path == "native" else None
-    if isinstance(ref, ValueError):
-        assert fused is None, f"the general path raises ({ref}) but the fused path gave ids"
-        assert direct is None, f"the general path raises ({ref}) but the C kernel gave ids"
+def check(types, mask, grid, **options):
+    """True if ``position_ids`` gave the released loop's ids, False if it raised; fails on any other outcome."""
+    full = torch.ones_like(types) if mask is None else mask
+    valid = fits(types, full, grid)
+    try:
+        ids, deltas = mm.position_ids("mrope", types, grid, attention_mask=mask, **options)
+    except ValueError as e:
+        assert not valid, f"a layout that fits its grid rows was refused: {e}"
         return False
-    assert fused is not None, "valid input, but the fused path declined"
-    assert torch.equal(fused[0], ref[0]) and torch.equal(fused[1], ref[1])
-    if path == "native":
-        assert direct is not None, "valid input, but the C kernel declined"
-        assert torch.equal(direct[0], ref[0]) and torch.equal(direct[1], ref[1])
+    assert valid, "a layout that does not fit its grid rows got ids"
+    want_ids, want_deltas = released_mrope_loop(types, full, grid)  # padding slots get 1 in both
+    assert torch.equal(ids, want_ids) and torch.equal(deltas, want_deltas)
     return True
 
 
 @pytest.mark.parametrize("padded", [False, True])
-def test_fused_path_equals_the_general_path_on_random_batches(padded, path):
+def test_ids_equal_the_released_loop_on_random_batches(padded):
     rng = random.Random(0)
     for _ in range(60):
         samples = [random_sample(rng) for _ in range(rng.randint(1, 3))]
         types, mask, grid = batch(samples, pad=rng.choice(["left", "right"]))
-        assert check(types, mask if padded else None, grid, path)  # valid (padding is text when no mask is given)
+        assert check(types, mask if padded else None, grid)  # valid (padding is text when no mask is given)
 
 
-def test_fused_path_declines_exactly_where_the_general_path_raises(path):
+def test_ids_are_refused_exactly_where_the_layout_does_not_fit_its_grid():
     rng = random.Random(1)
     outcomes = {True: 0, False: 0}
     for _ in range(400):
         samples = [random_sample(rng) for _ in range(rng.randint(1, 3))]
         types, mask, grid = batch(samples, pad="right")
-        full = torch.ones_like(mask).bool()
+        full = torch.ones_like(mask)
         types = torch.where(mask.bool(), types, 0)  # unpadded rows: padding becomes text
         for _ in range(rng.randint(1, 2)):
             types, _, grid = corrupt(types, mask, grid, rng)
-        outcomes[check(types, None, grid, path)] += 1
+        outcomes[check(types, None, grid)] += 1
         if rng.random() < 0.3:
-            check(types, full, grid, path)
+            check(types, full, grid)
         if rng.random() < 0.3:  # one padding slot anywhere: inside a block it splits it
             holed = full.clone()
-            holed[rng.randrange(holed.shape[0]), rng.randrange(holed.shape[1])] = False
-            check(types, holed, grid, path)
+            holed[rng.randrange(holed.shape[0]), rng.randrange(holed.shape[1])] = 0
+            check(types, holed, grid)
     assert outcomes[True] > 20 and outcomes[False] > 150  # both outcomes are exercised
 
 
-def test_adjacent_blocks_and_blocks_across_rows_are_refused(path):
+def test_adjacent_blocks_and_blocks_across_rows_are_refused():
     """Hand-made layouts the checks exist for: two images with no text between them (one run, two blocks), a
     block continued on the next row, a block split by a text token, a token missing and one too many."""
     two = torch.tensor([[1, 2, 4], [1, 2, 2]])  # 2 + 1 merged tokens
@@ -136,22 +144,21 @@ def test_adjacent_blocks_and_blocks_across_rows_are_refused(path):
         (torch.tensor([[0, 1, 2, 0, 1, 0]]), two),  # the first block of two types
     ]
     for types, grid in bad:
-        assert isinstance(general(types, grid, None), ValueError), types
-        assert grid_position_ids(types, grid, None) is None, types
-        assert native_direct(types, grid) is None, types
+        assert not fits(types, torch.ones_like(types), grid), types
+        with pytest.raises(ValueError):
+            mm.position_ids("mrope", types, grid)
     good = torch.tensor([[0, 1, 1, 0, 2, 0]])  # an image, then a 1-token video (types may differ per block)
-    assert check(good, None, two, path)
+    assert check(good, None, two)
 
 
 @pytest.mark.parametrize("outer", ["none", "no_grad", "inference_mode"])
-def test_outputs_are_ordinary_tensors_that_autograd_and_in_place_ops_accept(outer, path):
-    """The fused path runs in inference mode inside; what it returns must still be an ordinary tensor (unless the
-    caller is in inference mode itself): ids index a learned table whose gradient is taken (autograd saves the
-    index), and callers shift them in place. Inference tensors would raise on both."""
+def test_outputs_are_ordinary_tensors_that_autograd_and_in_place_ops_accept(outer):
+    """Ids index a learned table whose gradient is taken (autograd saves the index), and callers shift them in
+    place: outside inference mode the outputs must be ordinary tensors (inference tensors would raise on both)."""
     types, mask, grid = batch([tokens(2, ("img", (1, 4, 4)), 1, ("vid", (2, 2, 4)), 3)], pad="right")
     ctx = {"none": torch.enable_grad, "no_grad": torch.no_grad, "inference_mode": torch.inference_mode}[outer]
     with ctx():
-        ids, deltas = grid_position_ids(types, grid, mask)
+        ids, deltas = mm.position_ids("mrope", types, grid, attention_mask=mask)
     assert ids.is_inference() == deltas.is_inference() == (outer == "inference_mode")
     if outer == "inference_mode":
         return
@@ -160,7 +167,7 @@ def test_outputs_are_ordinary_tensors_that_autograd_and_in_place_ops_accept(oute
     assert table.weight.grad is not None
     ids.add_(1)  # in place, outside inference mode
     deltas.sub_(1)
-    ref = general(types, grid, mask)
-    assert torch.equal(ids - 1, ref[0]) and torch.equal(deltas + 1, ref[1])
+    want_ids, want_deltas = released_mrope_loop(types, mask, grid)
+    assert torch.equal(ids - 1, want_ids) and torch.equal(deltas + 1, want_deltas)
     merged, kinds = mm.merge_grids(types, grid[:1], grid[1:])
     assert not merged.is_inference() and not kinds.is_inference()

@@ -125,39 +125,3 @@ def released_mrope_loop(types, mask, grid, *, second_per_grid_ts=None, tokens_pe
             ids[:, b, n_] = torch.tensor(out[k])
         deltas[b, 0] = nxt - len(real)
     return ids, deltas
-
-
-# --------------------------------------------------------------------------- the two paths of the fused grid ids
-def require_grid_kernel() -> None:
-    """Skip where the user turned the C kernels off (``VLPE_NATIVE=0``); fail where they are on but the grid ids'
-    kernel did not build (a C compiler is part of the test set-up)."""
-    import pytest
-
-    from vlpe import native
-    from vlpe.encodings.multimodal import grid_ids_native
-
-    if not native.enabled():
-        pytest.skip("VLPE_NATIVE=0: the C kernels are off")
-    assert grid_ids_native.available(), "the grid ids' C kernel did not build (see vlpe/native.py)"
-
-
-def grid_ids_path(name: str):
-    """A context for one implementation of ``grid_position_ids``: ``"native"`` (the C kernel) or ``"tensor"``
-    (its torch passes, the kernel switched off)."""
-    import contextlib
-
-    from vlpe import native
-
-    if name == "native":
-        require_grid_kernel()
-        return contextlib.nullcontext()
-    return native.off()
-
-
-def native_direct(types, grid, mask=None, *, spatial_reset=False, temporal_stride=1, pad_position=1, dtype=None):
-    """The C kernel's own answer (None: declined), called without the tensor path behind it."""
-    from vlpe.encodings.multimodal.grid_ids_native import native_grid_ids
-
-    return native_grid_ids(types, None if mask is None else torch.as_tensor(mask).bool(), torch.as_tensor(grid),
-                           m=2, stride=int(temporal_stride), spatial_reset=spatial_reset, pad_position=pad_position,
-                           dtype=torch.int64 if dtype is None else dtype)

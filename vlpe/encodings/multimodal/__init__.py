@@ -41,9 +41,9 @@ API (Hugging Face 5.x conventions):
   ``ALLOCATIONS``; ``allocation_map(...)`` (pair -> axis census); ``pype_attention_mask(ids, layer,
   cu_seqlens=None)``; ``packed_samples(cu_seqlens, B, S)`` (which sample every token of a packed batch is in).
 * Designs and allocations are data that declare their facts (:class:`Design`: ``axes``, ``layered``,
-  ``needs_mask``, ``split_frames``, ``fused``; :class:`Allocation`: ``axes``, ``one_axis``, ``per_head``, ...);
+  ``needs_mask``, ``split_frames``; :class:`Allocation`: ``axes``, ``one_axis``, ``per_head``, ...);
   a variant reads them (``num_axes()``, ``layered``, ``masked``, ``per_head``) and no caller compares names.
-  Modules import downwards only: samples, layout, grid_ids < designs, allocations < variants < rotary < encodings.
+  Modules import downwards only: samples, layout < designs, allocations < variants < rotary < encodings.
 
 Variants: ``rope1d`` (1d + none), ``mrope`` (grid + chunked), ``qwen25vl`` (absolute_time + chunked),
 ``mrope_i`` (grid + interleaved; ``spatial_reset=True`` option), ``qwen3vl`` (per_frame + interleaved),

@@ -30,13 +30,13 @@ name                A     vision token coordinates, unit start ``s``; next text 
 from __future__ import annotations
 
 import math
+import numbers
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
 import torch
 from torch import Tensor
 
-from .grid_ids import grid_position_ids
 from .layout import Check, TokenLayout
 
 __all__ = ["Design", "DesignOut", "DESIGNS", "get_design", "assemble", "V2PE_STRIDES", "HOPE_SCALES"]
@@ -89,9 +89,6 @@ class Design:
             axis ``l``, so it pairs only with a one-axis allocation and ``rope_deltas`` are ``(B, A)``.
         needs_mask: the design brings its own attention mask, built from its ids (PyPE's ring mask,
             :func:`vlpe.encodings.multimodal.pype_attention_mask`), which replaces the causal mask.
-        fused: an exact fused path ``(types, grid_thw, attention_mask, options, *, spatial_merge_size,
-            pad_position, dtype, validate) -> (ids, deltas) | None`` for unpacked batches (None: the layout path;
-            a path may also return None to fall back to it).
     """
 
     name: str
@@ -102,9 +99,22 @@ class Design:
     split_frames: bool = False
     layered: bool = False
     needs_mask: bool = False
-    fused: Callable[..., tuple[Tensor, Tensor] | None] | None = None
 
     def options(self, given: dict[str, Any]) -> dict[str, Any]:
+        """The design's options: its defaults with the ``given`` ones merged over them, each given one checked.
+
+        Args:
+            given: option values by name (from a call, a :class:`Variant`, or a record of one).
+
+        Returns:
+            Every option the design takes, by name.
+
+        Raises:
+            ValueError: an option the design does not take, or a value of the wrong kind: a number that is not
+                finite, not positive or above :data:`OPTION_LIMIT`, a bool or a string where a number is expected,
+                a flag that is not a bool, a count that is not an integer in ``1 .. COUNT_LIMIT``, an unknown
+                ``mode``, or ``second_per_grid_ts`` entries that are not finite numbers ``>= 0``.
+        """
         unknown = sorted(set(given) - set(self.defaults))
         if unknown:
             raise ValueError(
@@ -112,6 +122,10 @@ class Design:
                 f"{', '.join(sorted(self.defaults)) or 'no options'} (plus attention_mask, spatial_merge_size, "
                 "pad_position, dtype, validate)"
             )
+        for name, value in given.items():
+            problem = _OPTION_RULES[name](value)
+            if problem is not None:
+                raise ValueError(f"{self.name} design: {name} {problem}, got {value!r}")
         return {**self.defaults, **given}
 
     def num_axes(self, given: dict[str, Any]) -> int:
@@ -119,18 +133,88 @@ class Design:
         return self.axes if isinstance(self.axes, int) else int(self.options(given)[self.axes])
 
 
+#: the largest value of a numeric design option (strides, scales, rates): one of them times a position of a batch
+#: of up to 2**31 tokens stays below 2**53, exact in float64 and far inside int64
+OPTION_LIMIT = 2**20
+#: the largest count option (PyPE's ``depth`` and ``interval``, in decoder layers)
+COUNT_LIMIT = 4096
+
+
+def _real(value: Any) -> bool:
+    """A real number that is not a bool (bools are ints in Python, but never a stride or a scale)."""
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
+
+
+def _positive_number(value: Any) -> str | None:
+    """None if ``value`` is a finite number in ``(0, OPTION_LIMIT]``, else what is expected."""
+    if _real(value) and math.isfinite(value) and 0 < value <= OPTION_LIMIT:
+        return None
+    return f"must be a positive number no larger than {OPTION_LIMIT} (an int or a float, not a bool or a string)"
+
+
+def _positive_numbers(item: str) -> Callable[[Any], str | None]:
+    def check(value: Any) -> str | None:
+        if value is None or (isinstance(value, (list, tuple)) and all(_positive_number(v) is None for v in value)):
+            return None
+        return (f"must be None or a list of positive numbers no larger than {OPTION_LIMIT}: every {item} must be a "
+                "positive number")
+    return check
+
+
+def _flag(value: Any) -> str | None:
+    return None if isinstance(value, bool) else "must be True or False"
+
+
+def _count(value: Any) -> str | None:
+    if isinstance(value, numbers.Integral) and not isinstance(value, bool) and 1 <= value <= COUNT_LIMIT:
+        return None
+    return f"must be an integer from 1 to {COUNT_LIMIT}"
+
+
+def _mode(value: Any) -> str | None:
+    ok = isinstance(value, str) and value in ("fix", "rnd", "default")
+    return None if ok else "must be 'fix', 'rnd' or 'default'"
+
+
+def _generator(value: Any) -> str | None:
+    return None if value is None or isinstance(value, torch.Generator) else "must be a torch.Generator or None"
+
+
+def _seconds(value: Any) -> str | None:
+    """``second_per_grid_ts``: None, a tensor of a real dtype (its values are checked with the batch, with
+    ``validate``), or numbers (one, or a list or tuple of them), each finite and in ``[0, OPTION_LIMIT]``."""
+    expected = (f"must be None, a real tensor, or numbers from 0 to {OPTION_LIMIT} (seconds per temporal patch, "
+                "one per video)")
+    if value is None:
+        return None
+    if isinstance(value, Tensor):
+        return None if not (value.dtype == torch.bool or value.is_complex()) else expected
+    values = value if isinstance(value, (list, tuple)) else [value]
+    ok = all(_real(v) and math.isfinite(v) and 0 <= v <= OPTION_LIMIT for v in values)
+    return None if ok else expected
+
+
+#: the check of every design option, by name: None if the value is fine, else what is expected
+_OPTION_RULES: dict[str, Callable[[Any], str | None]] = {
+    "temporal_stride": _positive_number,
+    "tokens_per_second": _positive_number,
+    "temporal_scale": _positive_number,
+    "stride": _positive_number,
+    "tile_tokens": _positive_number,
+    "temporal_scales": _positive_numbers("temporal scale"),
+    "strides": _positive_numbers("stride"),
+    "spatial_reset": _flag,
+    "training": _flag,
+    "depth": _count,
+    "interval": _count,
+    "mode": _mode,
+    "generator": _generator,
+    "second_per_grid_ts": _seconds,
+}
+
+
 def _integral(x: float) -> bool:
     return float(x).is_integer()
-
-
-def _positive(name: str, value: float, who: str) -> float:
-    try:
-        v = float(value)
-    except (TypeError, ValueError):
-        raise ValueError(f"{who}: {name} must be a positive number, got {value!r}") from None
-    if not math.isfinite(v) or v <= 0:
-        raise ValueError(f"{who}: {name} must be a positive number, got {value!r}")
-    return v
 
 
 def _per_row_choice(values: Sequence[float], L: TokenLayout, generator: torch.Generator | None) -> Tensor:
@@ -153,7 +237,7 @@ def _one_d(L: TokenLayout, o: dict) -> DesignOut:
 
 
 def _grid(L: TokenLayout, o: dict) -> DesignOut:
-    stride = _positive("temporal_stride", o["temporal_stride"], "grid design")
+    stride = float(o["temporal_stride"])
     T, H, W = _unit(L)
     tau = L.tau
     floating = not _integral(stride)
@@ -173,7 +257,7 @@ def _grid(L: TokenLayout, o: dict) -> DesignOut:
 
 
 def _absolute_time(L: TokenLayout, o: dict) -> DesignOut:
-    tps = _positive("tokens_per_second", o["tokens_per_second"], "absolute_time design")
+    tps = float(o["tokens_per_second"])
     is_video = L.row_type == 2  # (R,)
     spg = o["second_per_grid_ts"]
     if spg is None:
@@ -181,6 +265,13 @@ def _absolute_time(L: TokenLayout, o: dict) -> DesignOut:
     else:
         spg = torch.as_tensor(spg, dtype=torch.float32, device=L.device).reshape(-1)
         n_videos = is_video.sum()
+        L.checks.append(
+            Check(
+                ~(torch.isfinite(spg) & (spg >= 0)).all(),
+                lambda: f"second_per_grid_ts must be finite numbers >= 0 (temporal_patch_size / fps of each video), "
+                f"got {spg.tolist()}",
+            )
+        )
         L.checks.append(
             Check(
                 n_videos != spg.numel(),
@@ -195,7 +286,17 @@ def _absolute_time(L: TokenLayout, o: dict) -> DesignOut:
     # released order of operations: (tau * second_per_grid_t) * tokens_per_second in fp32, then truncation
     t = ((L.tau.float() * L.rows_to_tokens(per_row)) * tps).long()
     T, H, W = _unit(L)
-    t_last = (((T - 1).float() * per_row) * tps).long()
+    t_last = ((T - 1).float() * per_row) * tps  # (R,) the time position of each video's last frame
+    if spg is not None:
+        L.checks.append(
+            Check(
+                (t_last >= 2.0**53).any(),
+                lambda: f"second_per_grid_ts * tokens_per_second puts a video's last frame at time position "
+                f"{float(t_last.max()):.3g} (at least 2**53, beyond exact positions): pass seconds per temporal "
+                "patch (temporal_patch_size / fps), not frame counts or timestamps",
+            )
+        )
+    t_last = t_last.long()
     adv = torch.maximum(torch.maximum(t_last, H - 1), W - 1) + 1  # (R,)
     return DesignOut((t, L.i, L.j), adv.unsqueeze(0), (True, True, True), False, text_zero=True)
 
@@ -206,11 +307,9 @@ def _diagonal(L: TokenLayout, o: dict) -> DesignOut:
         scales = o["temporal_scales"]
         if scales is None or len(scales) == 0:
             raise ValueError(f"{who}: training=True draws the temporal scale from temporal_scales; got {scales!r}")
-        for s in scales:
-            _positive("every temporal scale", s, who)
         gamma = _per_row_choice(scales, L, o["generator"])  # (R,) float64
     else:
-        gamma = torch.full((L.num_rows,), _positive("temporal_scale", o["temporal_scale"], who),
+        gamma = torch.full((L.num_rows,), float(o["temporal_scale"]),
                            dtype=torch.float64, device=L.device)
     T, H, W = _unit(L)
     t = L.rows_to_tokens(gamma) * L.tau  # (B, S)
@@ -232,16 +331,14 @@ def _vrope(L: TokenLayout, o: dict) -> DesignOut:
 
 def _v2pe(L: TokenLayout, o: dict) -> DesignOut:
     who = "v2pe design"
-    tile = _positive("tile_tokens", o["tile_tokens"], who)
+    tile = float(o["tile_tokens"])
     mode = o["mode"]
     if mode == "default":
         stride = torch.full((L.num_rows,), tile, dtype=torch.float64, device=L.device)
     elif mode == "fix":
-        stride = torch.full((L.num_rows,), _positive("stride", o["stride"], who), dtype=torch.float64,
+        stride = torch.full((L.num_rows,), float(o["stride"]), dtype=torch.float64,
                             device=L.device)
     elif mode == "rnd":
-        for s in o["strides"]:
-            _positive("every stride", s, who)
         stride = _per_row_choice(o["strides"], L, o["generator"])
     else:
         raise ValueError(f"{who}: mode must be 'fix', 'rnd' or 'default', got {mode!r}")
@@ -259,13 +356,7 @@ def _v2pe(L: TokenLayout, o: dict) -> DesignOut:
 
 
 def _pype(L: TokenLayout, o: dict) -> DesignOut:
-    depth, interval = o["depth"], o["interval"]
-    if not isinstance(depth, int) or depth < 1:
-        raise ValueError(f"pype design: depth (number of decoder layers) must be a positive integer, got {depth!r}")
-    if not isinstance(interval, int) or interval < 1:
-        raise ValueError(
-            f"pype design: interval (layers per descent step) must be a positive integer, got {interval!r}"
-        )
+    depth, interval = int(o["depth"]), int(o["interval"])  # checked by Design.options
     T, H, W = _unit(L)
     layer = torch.arange(depth, device=L.device).view(depth, 1)  # (A, 1)
     half = torch.minimum(H, W) // 2  # (R,)
@@ -276,24 +367,14 @@ def _pype(L: TokenLayout, o: dict) -> DesignOut:
     return DesignOut(offsets, T * (M + 1), (True,) * depth, False)
 
 
-def _grid_fused(types, grid_thw, attention_mask, o: dict, *, spatial_merge_size, pad_position, dtype, validate):
-    """Qwen2-VL MRoPE (and its spatial reset) straight from the grids (:mod:`.grid_ids`), no token layout."""
-    return grid_position_ids(
-        types, grid_thw, attention_mask, spatial_merge_size=spatial_merge_size,
-        temporal_stride=o["temporal_stride"], spatial_reset=o["spatial_reset"],
-        pad_position=pad_position, dtype=dtype, validate=validate,
-    )
-
-
 DESIGNS: dict[str, Design] = {
     d.name: d
     for d in (
         Design(name="1d", fn=_one_d, defaults={}, axes=1,
                summary="vanilla 1D RoPE: every token advances the position by one"),
-        Design(name="grid", fn=_grid, defaults={"temporal_stride": 1, "spatial_reset": False}, fused=_grid_fused,
+        Design(name="grid", fn=_grid, defaults={"temporal_stride": 1, "spatial_reset": False},
                summary="Qwen2-VL MRoPE grid (released semantics: next text at the maximum over all axes + 1)"),
         Design(name="spatial_reset", fn=_grid, defaults={"temporal_stride": 1, "spatial_reset": True},
-               fused=_grid_fused,
                summary="MRoPE-I spatial reset: h, w local to the block, only t carries the offset"),
         Design(name="absolute_time", fn=_absolute_time, defaults={"second_per_grid_ts": None, "tokens_per_second": 2},
                summary="Qwen2.5-VL absolute time: t = floor(tau * second_per_grid_t * tokens_per_second)"),
@@ -337,6 +418,11 @@ def assemble(
     (``L.samples``) the running position restarts at every sample (segment sums, :meth:`Samples.cumsum`) and
     ``deltas`` is ``(n, 1)`` (``(n, A)``), one per sample in order over the flattened batch. With ``validate``, an
     integer ``dtype`` other than int64 must hold every id and delta (:func:`_fitted`).
+
+    Raises:
+        ValueError: an integer ``dtype`` for a design of fractional positions, a ``pad_position`` that is not a
+            finite number or (integer ids) not an integer in the dtype's range, or (``validate``) ids outside an
+            integer ``dtype``'s range.
     """
     if dtype is None:
         dtype = torch.float32 if out.floating else torch.int64
@@ -344,6 +430,7 @@ def assemble(
         raise ValueError(
             f"this position design produces fractional positions; dtype must be a float dtype, got {dtype}"
         )
+    _check_pad(pad_position, dtype)
     work = torch.float64 if dtype.is_floating_point else torch.int64
     B, S = L.valid.shape
     N = B * S
@@ -400,6 +487,21 @@ def assemble(
         ids.masked_fill_(~L.valid, pad_position)
     deltas = (next_pos - real).transpose(0, 1)  # (B or n, A')
     return _fitted(ids, deltas, dtype, validate)
+
+
+def _check_pad(pad_position: Any, dtype: torch.dtype) -> None:
+    """``ValueError`` unless ``dtype`` ids can hold ``pad_position``: a finite number, and for integer ids an
+    integer in the dtype's range."""
+    if _real(pad_position) and math.isfinite(pad_position):
+        if dtype.is_floating_point:
+            return
+        info = torch.iinfo(dtype)
+        if int(pad_position) == pad_position and info.min <= pad_position <= info.max:
+            return
+        expected = f"an integer from {info.min} to {info.max} for {dtype} ids"
+    else:
+        expected = "a finite number (an int or a float, not a bool or a string)"
+    raise ValueError(f"pad_position (the id of padding slots) must be {expected}, got {pad_position!r}")
 
 
 def _fitted(ids: Tensor, deltas: Tensor, dtype: torch.dtype, validate: bool) -> tuple[Tensor, Tensor]:

@@ -11,7 +11,6 @@ from torch import Tensor
 
 from .allocations import ALLOCATIONS, get_allocation
 from .designs import DESIGNS, assemble, get_design
-from .grid_ids_native import native_merge_grids
 from .layout import merge_divisor, packed_samples, token_layout
 
 __all__ = [
@@ -214,13 +213,6 @@ def position_ids(
     opts = design.options({**v.design_options, **options})
     _check_not_empty(mm_token_type_ids, "mm_token_type_ids")
     _check_dtype(dtype)
-    if cu_seqlens is None and design.fused is not None:  # a design's exact fused path (Qwen2-VL MRoPE)
-        fused = design.fused(
-            mm_token_type_ids, grid_thw, attention_mask, opts, spatial_merge_size=spatial_merge_size,
-            pad_position=pad_position, dtype=dtype, validate=validate,
-        )
-        if fused is not None:
-            return fused
     layout = token_layout(
         mm_token_type_ids, grid_thw, attention_mask, spatial_merge_size=spatial_merge_size,
         split_frames=design.split_frames, cu_seqlens=cu_seqlens, checks=validate,
@@ -293,9 +285,12 @@ def merge_grids(
     """Interleave Hugging Face's separate image and video grids into order of appearance.
 
     Returns ``grid_thw (R, 3)`` for :func:`position_ids` and the ``(R,)`` token type (1 image, 2 video) of
-    each row. Each row's first token is located by counting the tokens of its modality: with both modalities on
-    CPU in one C pass (``grid_ids.c``, :mod:`.grid_ids_native`), elsewhere in tensor form; the two agree on any
-    input (``tests/test_mm_fused_ids.py``).
+    each row. Each row's first token is located by counting the tokens of its modality (one ``cumsum`` and one
+    ``searchsorted`` for both modalities).
+
+    Raises:
+        ValueError: token types that are not ``(B, S)``, or a grid that does not hold integers (a float grid is
+            refused, not truncated).
     """
     types = torch.as_tensor(mm_token_type_ids)
     if types.dim() != 2:
@@ -307,6 +302,11 @@ def merge_grids(
         if g is None:
             continue
         g = torch.as_tensor(g, device=device)
+        if g.is_floating_point() or g.is_complex() or g.dtype == torch.bool:
+            raise ValueError(
+                f"{'image' if kind == 1 else 'video'}_grid_thw must hold integers (patches per axis), got dtype "
+                f"{g.dtype}: convert it with .long() where its values are whole numbers"
+            )
         if g.dtype != torch.int64:  # (a torch call costs more than these checks: none when nothing changes)
             g = g.to(torch.int64)
         if g.dim() != 2 or g.shape[1] != 3:
@@ -319,9 +319,6 @@ def merge_grids(
         kind, g = given[0]
         return g, torch.full((g.shape[0],), kind, dtype=torch.int64, device=device)
     (_, images), (_, videos) = given  # images first, as Hugging Face lists them
-    out = native_merge_grids(types, attention_mask, images, videos, m)
-    if out is not None:  # CPU: one C pass (None: not taken; the same result in tensor form below)
-        return out
     flat = types.reshape(-1)
     if attention_mask is not None:
         flat = torch.where(torch.as_tensor(attention_mask, device=device).reshape(-1).bool(), flat, 0)

@@ -1,32 +1,25 @@
-"""The fused ``grid`` ids and :func:`merge_grids` against per-block Python loops.
+"""MRoPE's ``grid`` ids and :func:`merge_grids` against per-block Python loops.
 
-:func:`vlpe.encodings.multimodal.grid_ids.grid_position_ids` builds every block's ids with a few batched
-tensor ops (a scatter + ``cumsum`` buffer, float32 divisions, a folded check vector); here it is checked
-against the released Qwen2-VL semantics written as a loop over samples and blocks (text advances the position
-by one, a block of merged ``(T, H, W)`` gives ``(p + t * stride, p + i, p + j)`` and advances it by
-``max((T - 1) * stride, H - 1, W - 1) + 1``), over every option the fused path takes; the checks are exercised
-on hand-made layouts, one per check, against the general path's ValueError. The ids tests run on the C kernel
-(``grid_ids.c``; its own answer checked as well) and on the tensor path. :func:`merge_grids` (one
-``searchsorted`` per modality) is checked against a loop that finds every row's first token by counting the
-tokens of its modality, on valid and invalid inputs alike (its result must not depend on the checks).
+:func:`vlpe.encodings.multimodal.position_ids` builds every block's ids with batched tensor ops (the token layout,
+one exclusive ``cumsum``); here the ``grid`` design is checked against the released Qwen2-VL semantics written as a
+loop over samples and blocks (text advances the position by one, a block of merged ``(T, H, W)`` gives
+``(p + t * stride, p + i, p + j)`` and advances it by ``max((T - 1) * stride, H - 1, W - 1) + 1``), over its
+options, output dtypes and padding ids; the checks are exercised on hand-made layouts, one per check.
+:func:`merge_grids` (one ``searchsorted`` for both modalities) is checked against a loop that finds every row's
+first token by counting the tokens of its modality, on valid and invalid inputs alike (its result must not depend
+on the checks).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import random
 
 import pytest
 import torch
 
 from vlpe.encodings import multimodal as mm
-from vlpe.encodings.multimodal.grid_ids import grid_position_ids
-from test_mm_helpers import grid_ids_path, native_direct
-from vlpe.encodings.multimodal.grid_ids_native import DTYPES, native_merge_grids
 
 MERGE = 2
-#: MRoPE on the grid design without its fused path: every call takes the general path
-GENERAL = mm.Variant(dataclasses.replace(mm.DESIGNS["grid"], fused=None), mm.VARIANTS["mrope"].allocation)
 
 
 def random_layout(rng: random.Random, B: int):
@@ -109,14 +102,13 @@ def reference_ids(samples, types, mask, *, stride=1, spatial_reset=False, pad_po
     return ids, deltas
 
 
-@pytest.fixture(params=["native", "tensor"])
-def path(request):
-    with grid_ids_path(request.param):
-        yield request.param
+def grid_ids(types, grid, mask=None, **options):
+    """MRoPE's ``(ids, deltas)``: the ``grid`` design through :func:`position_ids`."""
+    return mm.position_ids("mrope", types, grid, attention_mask=mask, **options)
 
 
 @pytest.mark.parametrize("pad", [None, "left", "right"])
-def test_fused_ids_equal_a_per_block_loop(pad, path):
+def test_grid_ids_equal_a_per_block_loop(pad):
     rng = random.Random({None: 0, "left": 1, "right": 2}[pad])
     for trial in range(40):
         samples, grid = random_layout(rng, rng.randint(1, 4))
@@ -130,9 +122,7 @@ def test_fused_ids_equal_a_per_block_loop(pad, path):
             dict(dtype=rng.choice([torch.float32, torch.float64, torch.int32]), pad_position=rng.choice([0, 1, 7])),
         ]
         for o in options:
-            out = grid_position_ids(types, grid, mask, validate=trial % 2 == 0, **o)
-            assert out is not None, (samples, o)
-            ids, deltas = out
+            ids, deltas = grid_ids(types, grid, mask, validate=trial % 2 == 0, **o)
             want_ids, want_deltas = reference_ids(samples, types, mask, stride=o.get("temporal_stride", 1),
                                                   spatial_reset=o.get("spatial_reset", False),
                                                   pad_position=o.get("pad_position", 1))
@@ -141,33 +131,23 @@ def test_fused_ids_equal_a_per_block_loop(pad, path):
             assert ids.is_contiguous() and deltas.shape == (types.shape[0], 1)
             assert torch.equal(ids, torch.tensor(want_ids, dtype=torch.float64).to(dtype)), (samples, o)
             assert torch.equal(deltas, torch.tensor(want_deltas, dtype=torch.float64).to(dtype)), (samples, o)
-            if path == "native":  # the kernel's own answer, not the tensor path behind a decline
-                direct = native_direct(types, grid, mask, **o)
-                if dtype not in DTYPES:  # int32: the tensor path's (its ids cannot wrap)
-                    assert direct is None, o
-                    continue
-                assert direct is not None and torch.equal(direct[0], ids) and torch.equal(direct[1], deltas), o
 
 
-def test_fused_ids_of_a_one_token_row_and_non_contiguous_types(path):
+def test_grid_ids_of_a_one_token_row_and_non_contiguous_types():
     """``S = 1`` (no pair of neighbours to compare) and token types given as a strided view."""
     types = torch.tensor([[1], [0]])
-    out = grid_position_ids(types, torch.tensor([[1, 2, 2]]))
-    assert out is not None
-    assert out[0].tolist() == [[[0], [0]]] * 3 and out[1].tolist() == [[0], [0]]  # both advance by one
+    ids, deltas = grid_ids(types, torch.tensor([[1, 2, 2]]))
+    assert ids.tolist() == [[[0], [0]]] * 3 and deltas.tolist() == [[0], [0]]  # both advance by one
     wide = torch.tensor([[0, 9, 1, 9, 1, 9, 0, 9], [2, 9, 2, 9, 0, 9, 0, 9]])
-    types = wide[:, ::2]  # (2, 4) with strides (8, 2)
+    types = wide[:, ::2]  # (2, 4) with strides (8, 2): [[0, 1, 1, 0], [2, 2, 0, 0]]
     grid = torch.tensor([[1, 2, 4], [2, 2, 2]])
-    fused = grid_position_ids(types, grid)
-    ref = mm.position_ids(GENERAL, types.contiguous(), grid)
-    assert fused is not None and torch.equal(fused[0], ref[0]) and torch.equal(fused[1], ref[1])
-    if path == "native":
-        direct = native_direct(types, grid)
-        assert direct is not None and torch.equal(direct[0], ref[0])
+    ids, deltas = grid_ids(types, grid)
+    samples = [[1, (1, (1, 2, 4)), 1], [(2, (2, 2, 2)), 2]]
+    want_ids, want_deltas = reference_ids(samples, types, None)
+    assert ids.tolist() == want_ids and deltas.tolist() == want_deltas
 
 
-# one layout per check of the fused path: (what is wrong, types, grid); each must be declined by the fused path
-# and raise in the general path
+# one layout per check: (what is wrong, types, grid); each must raise a ValueError
 TWO = torch.tensor([[1, 2, 4], [1, 2, 2]])  # an image of 2 merged tokens, then one of 1
 REFUSED = [
     ("a token type outside 0 .. 2", [[0, 1, 1, 0, 3, 0]], TWO),
@@ -186,26 +166,18 @@ REFUSED = [
 
 
 @pytest.mark.parametrize("what,types,grid", REFUSED, ids=[r[0] for r in REFUSED])
-def test_fused_ids_decline_where_the_general_path_raises(what, types, grid, path):
-    types = torch.tensor(types)
-    with pytest.raises(ValueError) as general:
-        mm.position_ids(GENERAL, types, grid)
-    assert grid_position_ids(types, grid) is None, what
-    assert native_direct(types, grid) is None, what
-    with pytest.raises(ValueError) as fused:  # the public call falls back to the general path's message
-        mm.position_ids("mrope", types, grid)
-    assert str(fused.value) == str(general.value)
+def test_grid_ids_refuse_each_broken_layout(what, types, grid):
+    with pytest.raises(ValueError):
+        grid_ids(torch.tensor(types), grid)
 
 
-def test_fused_ids_take_adjacent_blocks_of_different_types(path):
+def test_grid_ids_take_adjacent_blocks_of_different_types():
     types = torch.tensor([[0, 1, 1, 2, 2, 0], [2, 2, 0, 0, 1, 0]])  # image then video touching; a row starting with one
     grid = torch.tensor([[1, 2, 4], [2, 2, 2], [2, 2, 2], [1, 2, 2]])
-    fused = grid_position_ids(types, grid)
-    ref = mm.position_ids(GENERAL, types, grid)
-    assert fused is not None and torch.equal(fused[0], ref[0]) and torch.equal(fused[1], ref[1])
-    if path == "native":
-        direct = native_direct(types, grid)
-        assert direct is not None and torch.equal(direct[0], ref[0]) and torch.equal(direct[1], ref[1])
+    ids, deltas = grid_ids(types, grid)
+    samples = [[1, (1, (1, 2, 4)), (2, (2, 2, 2)), 1], [(2, (2, 2, 2)), 2, (1, (1, 2, 2)), 1]]
+    want_ids, want_deltas = reference_ids(samples, types, None)
+    assert ids.tolist() == want_ids and deltas.tolist() == want_deltas
 
 
 # --------------------------------------------------------------------------- merge_grids
@@ -233,11 +205,8 @@ def reference_merge(types, images, videos, mask, m=MERGE):
     return [g for _, _, g in rows], [k for _, k, _ in rows]
 
 
-def test_merge_grids_equals_a_counting_loop_on_any_input(path):
-    """On both paths; on the kernel's, its own answer too: it may decline only a grid with a value below 0 or a row
-    of more tokens than the batch (the tensor form takes those)."""
+def test_merge_grids_equals_a_counting_loop_on_any_input():
     rng = random.Random(3)
-    taken = 0
     for _ in range(300):
         B, S = rng.randint(1, 3), rng.randint(1, 12)
         values = [0, 0, 1, 2] + ([3, -1] if rng.random() < 0.2 else [])  # invalid types too
@@ -250,7 +219,7 @@ def test_merge_grids_equals_a_counting_loop_on_any_input(path):
             g = torch.tensor([[rng.randint(0, 3), 2 * rng.randint(0, 2) + rng.choice([0, 0, 1]), 2 * rng.randint(0, 2)]
                               for _ in range(k)], dtype=torch.int64).reshape(k, 3)
             if k and rng.random() < 0.05:
-                g[rng.randrange(k), rng.randrange(3)] = -2  # a negative value: the kernel declines it
+                g[rng.randrange(k), rng.randrange(3)] = -2  # a negative value
             return g.to(torch.int32) if rng.random() < 0.2 else g
 
         images, videos = grids(), grids()
@@ -259,12 +228,3 @@ def test_merge_grids_equals_a_counting_loop_on_any_input(path):
         want_grid, want_kinds = reference_merge(types, images, videos, mask)
         assert grid.dtype == torch.int64 and kinds.dtype == torch.int64
         assert grid.tolist() == want_grid and kinds.tolist() == want_kinds, (types, images, videos, mask)
-        if path == "native" and images is not None and videos is not None and images.numel() and videos.numel():
-            direct = native_merge_grids(types, mask, images.to(torch.int64), videos.to(torch.int64), MERGE)
-            rows = torch.cat([images, videos]).to(torch.int64)
-            sane = bool((rows >= 0).all()) and bool(((rows // torch.tensor([1, MERGE, MERGE])).prod(-1) <= B * S).all())
-            assert (direct is not None) == sane, (types, images, videos)
-            if direct is not None:
-                taken += 1
-                assert direct[0].tolist() == want_grid and direct[1].tolist() == want_kinds, (types, images, videos)
-    assert path == "tensor" or taken > 50
