@@ -85,6 +85,7 @@ STOCK_KIND = [
     ("qwen2_vl", "mrope", {"theta": 5e4}),
     ("qwen2_5_vl", "qwen25vl", {"section": [2, 3, 3]}),
     ("qwen3_vl", "qwen3vl", {"section": [6, 1, 1]}),
+    ("qwen3_vl", "mrope_i", {}),  # the t/h/w grid on one block a frame: Qwen3-VL's own ids
 ]
 VLPE_KIND = [
     ("qwen2_vl", "mrope_i", {}),
@@ -148,7 +149,8 @@ def test_the_options_decide_the_kind_without_loading_anything():
     assert stock_rope(vhf.patch_of(vhf.apply(_build("qwen2_5_vl"), "qwen25vl", tokens_per_second=4))) is None
     assert stock_rope(vhf.patch_of(vhf.apply(_build("qwen3_vl"), "qwen3vl", theta=2e4))) == {
         "mrope_section": [4, 2, 2], "rope_theta": 2e4}
-    assert stock_rope(vhf.patch_of(vhf.apply(_build("qwen2_vl"), "qwen3vl"))) is None
+    assert stock_rope(vhf.patch_of(vhf.apply(_build("qwen2_vl"), "qwen3vl"))) is None  # one block a frame
+    assert stock_rope(vhf.patch_of(vhf.apply(_build("qwen3_vl"), "mrope_i"))) == {"mrope_section": [4, 2, 2]}
     assert stock_rope(vhf.patch_of(vhf.apply(_build("qwen2_vl"), "mrope", allocation="interleaved"))) is None
 
 

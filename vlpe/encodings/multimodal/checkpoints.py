@@ -4,9 +4,12 @@ from __future__ import annotations
 
 from .variants import Variant, get_variant
 
-__all__ = ["FAMILY_VARIANTS", "family_variant"]
+__all__ = ["FAMILY_VARIANTS", "FAMILY_DESIGNS", "family_variant"]
 
 FAMILY_VARIANTS = {"qwen2_vl": "mrope", "qwen2_5_vl": "qwen25vl", "qwen3_vl": "qwen3vl"}
+# the designs that give the family's own ids on every prompt of that family (with their default options): Qwen3-VL's
+# processor writes every temporal patch as its own block, where the t/h/w grid and one-block-a-frame coincide
+FAMILY_DESIGNS = {"qwen2_vl": ("grid",), "qwen2_5_vl": ("absolute_time",), "qwen3_vl": ("per_frame", "grid")}
 
 
 def family_variant(family: str) -> Variant:

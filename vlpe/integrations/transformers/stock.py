@@ -2,8 +2,8 @@
 
 Every export is one of two kinds, written into its ``config.json`` by :func:`mark_config`:
 
-- **stock**: the patch is expressible in the family's own config (the checkpoint's own position design with its
-  default options and the family's allocation; any ``mrope_section``; ``rope_theta`` over unscaled frequencies). Those
+- **stock**: the patch is expressible in the family's own config (the checkpoint's own position design, or one
+  that gives the same ids on the family's prompts, with its default options and the family's allocation; any ``mrope_section``; ``rope_theta`` over unscaled frequencies). Those
   settings are written to ``text_config.rope_parameters``, so a loader that reads them computes the same rotary
   tables as vlpe. The record states the position semantics the export follows: the released models' (text after a
   vision block resumes at the block's largest position + 1, as transformers 4.49-4.57 and vlpe place it), and for
@@ -24,7 +24,7 @@ from typing import Any, Mapping
 from torch import nn
 
 from vlpe.encodings import multimodal as mm
-from vlpe.encodings.multimodal.checkpoints import family_variant
+from vlpe.encodings.multimodal.checkpoints import FAMILY_DESIGNS, family_variant
 
 from .patch import RECORD_KEY
 
@@ -79,9 +79,8 @@ def stock_rope(patch: Any) -> dict[str, Any] | None:
         ``{"mrope_section": [...]}`` (and ``"rope_theta"`` when ``theta=`` was given) to write into
         ``text_config.rope_parameters``, or None.
     """
-    native = family_variant(patch.family)
     v = patch.variant
-    if (v.design, v.allocation) != (native.design, native.allocation):
+    if v.design not in FAMILY_DESIGNS[patch.family] or v.allocation != family_variant(patch.family).allocation:
         return None
     defaults = dict(mm.DESIGNS[v.design].defaults)
     tps = getattr(patch.base.config.vision_config, "tokens_per_second", None)
