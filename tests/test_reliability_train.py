@@ -228,6 +228,50 @@ def test_resume_checks_the_checkpoint_before_loading_it(tmp_path):
     assert "rng_rank0.pt" in checkpoint_problem(ckpt, world=1)
 
 
+def _written_by(ckpt: Path, ranks: int, *, zero: bool = True, partitions: int | None = None) -> Path:
+    """A complete checkpoint directory under the file names DeepSpeed (ZeRO-1/2: one optimizer partition per rank)
+    and this harness (one RNG state per rank) give it when ``ranks`` ranks write it; tiny archives in every file."""
+    ckpt.mkdir(parents=True)
+    torch.save({"module": {}}, ckpt / "mp_rank_00_model_states.pt")
+    for r in range(ranks):
+        torch.save({"torch": torch.get_rng_state()}, ckpt / f"rng_rank{r}.pt")
+    for r in range(ranks if partitions is None else partitions) if zero else ():
+        torch.save({"optimizer_state_dict": {}}, ckpt / f"zero_pp_rank_{r}_mp_rank_00_optim_states.pt")
+    (ckpt / "COMPLETE").write_text(ckpt.name)
+    return ckpt
+
+
+@pytest.mark.filterwarnings("ignore:.*records no model signature")
+def test_zero_checkpoints_of_another_number_of_ranks_are_refused_naming_both(tmp_path):
+    """ZeRO partitions load only into as many processes as wrote them: refused before DeepSpeed's load raises, for
+    an explicit checkpoint and under auto (not skipped as damaged: the older ones share the run's number of ranks)."""
+    from train.checkpoint import CheckpointError, checkpoint_problem
+    from train.engine import _resume_checkpoint
+
+    def resume(ckpt: Path, world: int, how: str = "auto") -> Path | None:
+        return _resume_checkpoint(TrainSection(steps=6, resume=str(ckpt) if how == "explicit" else how),
+                                  ckpt.parent, world=world, rank=0, signature={})  # fmt: skip
+
+    two = _written_by(tmp_path / "two" / "step_00000004", 2)
+    _written_by(tmp_path / "two" / "step_00000002", 2)
+    one = _written_by(tmp_path / "one" / "step_00000004", 1)
+    for ckpt, world, written, now in ((two, 1, "written by 2 ranks", "this run has 1 process;"),
+                                      (one, 2, "written by 1 rank ", "this run has 2 processes")):  # fmt: skip
+        for how in ("auto", "explicit"):
+            with pytest.raises(CheckpointError, match=f"cannot resume: {ckpt} was written by") as e:
+                resume(ckpt, world, how)
+            assert written in str(e.value) and now in str(e.value), str(e.value)
+    assert "--num_gpus 2" in str(pytest.raises(CheckpointError, resume, two, 1).value)
+    assert resume(two, 2) == two and resume(one, 1) == one  # the same number of processes resumes
+    stage0 = _written_by(tmp_path / "stage0" / "step_00000004", 2, zero=False)
+    assert resume(stage0, 1) == stage0  # no partitions (ZeRO stage 0): any number of processes loads it
+    lost = _written_by(tmp_path / "lost" / "step_00000004", 2, partitions=1)  # a partition file missing: damaged
+    assert "partitions of ranks [0] but the RNG states of ranks [0, 1]" in checkpoint_problem(lost, world=2)
+    assert "partitions of ranks [0]" in checkpoint_problem(lost, world=1)
+    with pytest.raises(CheckpointError, match="cannot resume from .*partitions of ranks"):
+        resume(lost, 1, "explicit")
+
+
 def test_model_signature_differences_name_both_values():
     from train.checkpoint import signature_differences
 

@@ -37,6 +37,7 @@ __all__ = [
     "latest_complete",
     "complete_tags",
     "checkpoint_problem",
+    "world_problem",
     "save_rng",
     "is_disk_full",
     "disk_full_message",
@@ -57,6 +58,8 @@ MARKER = "COMPLETE"
 SIGNATURE = "model.json"  # the run's model signature, beside the DeepSpeed files of a checkpoint
 METADATA_KEY = "vlpe.model"  # the same signature in the safetensors export's metadata
 _TAG = re.compile(r"^step_(\d{8})$")
+_RNG = re.compile(r"^rng_rank(\d+)\.pt$")  # one per rank that wrote the checkpoint (save_rng)
+_ZERO = re.compile(r"^(?:bf16_)?zero_pp_rank_(\d+)_mp_rank_\d+_optim_states\.pt$")  # DeepSpeed's, one per DP rank
 
 
 class CheckpointError(ValueError):
@@ -126,11 +129,49 @@ def latest_complete(ckpt_dir: str | Path) -> str | None:
     return tags[0] if tags else None
 
 
+def _ranks(path: Path, pattern: re.Pattern) -> set[int]:
+    """The ranks named by the files of ``path`` that match ``pattern`` (its first group)."""
+    return {int(m.group(1)) for f in path.iterdir() if (m := pattern.match(f.name))} if path.is_dir() else set()
+
+
+def world_problem(path: str | Path, *, world: int) -> str | None:
+    """Why ``world`` processes cannot resume the checkpoint directory ``path`` that another number of ranks wrote,
+    or None.
+
+    A checkpoint whose optimizer state DeepSpeed split into ZeRO partitions (stages 1 to 3, or its bf16 optimizer:
+    ``*zero_pp_rank_<r>_mp_rank_XX_optim_states.pt``, one per rank) loads only into as many processes as wrote it;
+    DeepSpeed has no way to split the partitions again (its universal checkpoints, which do, are refused by this
+    harness). The ranks that wrote it are those of its RNG files (``rng_rank<r>.pt``), which must be the ranks of its
+    partitions (else the checkpoint is damaged: :func:`checkpoint_problem` says so). Without ZeRO partitions
+    (stage 0) any number of processes loads the checkpoint, so None. Reads file names only.
+
+    Args:
+        path: a checkpoint directory (``<out_dir>/checkpoints/step_XXXXXXXX``).
+        world: the number of processes of the run that would resume it.
+
+    Returns:
+        The reason naming both numbers of processes and what to do, or None.
+    """
+    path = Path(path)
+    written, partitions = _ranks(path, _RNG), _ranks(path, _ZERO)
+    n = len(written)
+    if not partitions or partitions != written or written != set(range(n)) or n == world:
+        return None
+    return (
+        f"{path} was written by {n} rank{'s' if n != 1 else ''} (its optimizer state is split into {n} ZeRO "
+        f"partitions, one per rank) and this run has {world} process{'es' if world != 1 else ''}; DeepSpeed loads "
+        f"ZeRO partitions only into as many processes as wrote them: resume with {n} process{'es' if n != 1 else ''} "
+        f"({'deepspeed --num_gpus ' + str(n) + ' ...' if n > 1 else 'one process'}), or start a new run in another "
+        "train.out_dir"
+    )
+
+
 def checkpoint_problem(path: str | Path, *, world: int) -> str | None:
     """Why the checkpoint directory ``path`` cannot be resumed by ``world`` ranks, or None when it looks whole.
 
     Cheap (no tensor is read): the ``COMPLETE`` marker, a model-states file, ``rng_rank{r}.pt`` for every
-    rank, and every file under ``path``, sub-folders included: a link is refused (it could point anywhere), a
+    rank, DeepSpeed's ZeRO optimizer partitions (when it holds any) of the ranks of its RNG files, and every file under
+    ``path``, sub-folders included: a link is refused (it could point anywhere), a
     ``.pt`` file (or any other torch archive) must have a readable index (a truncated file has none), and no
     archive may name a Python global outside what :func:`safe_load` admits (read from its pickle opcodes by
     ``torch.serialization.get_unsafe_globals_in_checkpoint``, nothing in it runs).
@@ -143,6 +184,12 @@ def checkpoint_problem(path: str | Path, *, world: int) -> str | None:
     for r in range(world):
         if not (path / f"rng_rank{r}.pt").is_file():
             return f"{path} lacks rng_rank{r}.pt (the RNG state of rank {r}; was it written by fewer ranks?)"
+    partitions, written = _ranks(path, _ZERO), _ranks(path, _RNG)
+    if partitions and partitions != written:
+        return (
+            f"{path} holds the ZeRO optimizer partitions of ranks {sorted(partitions)} but the RNG states of ranks "
+            f"{sorted(written)}: a file is missing or extra (every rank that writes a checkpoint writes both)"
+        )
     allowed = {f"{g.__module__}.{g.__qualname__}" for g in _allowed_globals()}
     for f in sorted(path.rglob("*")):
         name = f.relative_to(path).as_posix()

@@ -59,6 +59,7 @@ from .checkpoint import (
     save_rng,
     step_of,
     tag_for,
+    world_problem,
 )
 from .config import ConfigError
 from .data_order import ResumableBatchSampler, SeededDataset, move_to
@@ -306,7 +307,9 @@ def _resume_checkpoint(train: TrainSection, ckpt_dir: Path, *, world: int, rank:
     """The checkpoint directory to resume from (None: start at step 0), checked before anything is loaded.
 
     An explicit ``train.resume`` directory must be whole (:func:`train.checkpoint.checkpoint_problem`);
-    ``auto`` takes the newest whole complete checkpoint, warning about each damaged newer one it skips.
+    ``auto`` takes the newest whole complete checkpoint, warning about each damaged newer one it skips. A checkpoint
+    whose ZeRO partitions another number of ranks wrote is refused either way (:func:`train.checkpoint.world_problem`),
+    before DeepSpeed's load would fail on it.
     Either way the checkpoint's model signature must equal the config's and its step must not exceed
     ``train.steps``.
     """
@@ -325,6 +328,9 @@ def _resume_checkpoint(train: TrainSection, ckpt_dir: Path, *, world: int, rank:
             )
         candidates, explicit = [p], True
     for path in candidates:
+        mismatch = world_problem(path, world=world)  # not damage: every checkpoint of the run would be skipped
+        if mismatch is not None:
+            raise CheckpointError(f"cannot resume: {mismatch}")
         problem = checkpoint_problem(path, world=world)
         if problem is not None:
             if explicit:
