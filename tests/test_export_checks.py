@@ -43,6 +43,8 @@ BAD_OPTIONS = {  # options of a {"variant": "mrope"} record -> what the error na
     "model as option": ({"model": "x"}, "'model' is not an option"),
     "variant as option": ({"variant": "mrope_i"}, "'variant' is not an option"),
     "misspelt option": ({"spatial_rest": True}, "'spatial_rest' is not an option"),
+    "huge design option": ({"temporal_stride": 1e308}, "temporal_stride"),  # the design's own check (with_options)
+    "string design option": ({"temporal_stride": "2"}, "temporal_stride"),
 }
 
 

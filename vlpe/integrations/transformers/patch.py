@@ -255,9 +255,10 @@ def apply(model: nn.Module, variant: str | mm.Variant | None = None, **options: 
     ``config.json``, ``remove`` deletes it), so that ``apply(model)`` on the model loaded back applies it again.
 
     Returns the same model. Applying to a patched model replaces the previous patch. Raises ValueError for an
-    unsupported model, an unknown variant or option, rope scaling that changes with the sequence length, a
-    masked design (PyPE) under an attention implementation other than sdpa / eager, or (no variant) a config
-    without a restorable record.
+    unsupported model, an unknown variant or option, an option value of the wrong type or range (``theta`` not a
+    finite number > 0, ``section`` not a list of integers >= 0 ...: :func:`check_rotary_options`), rope scaling that
+    changes with the sequence length, a masked design (PyPE) under an attention implementation other than sdpa /
+    eager, or (no variant) a config without a restorable record (:func:`read_record`).
     """
     base, family = _locate(model)
     if variant is None:
