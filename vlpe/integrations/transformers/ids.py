@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import torch
@@ -188,17 +189,36 @@ class PositionIds:
         second_per_grid_ts: Tensor | None = None,
         **kwargs,
     ) -> Tensor:
-        """Bound on the base model: prompt ids from vlpe; tokens after a cached prefix from the vlpe deltas."""
+        """Bound on the base model: prompt ids from vlpe; tokens after a cached prefix from the vlpe deltas.
+
+        Whether tokens follow a cached prefix is decided without reading a device value: a cache whose length is a
+        Python int (dynamic caches) tells it, and the prompt grids mean a prompt. A cache whose length is a tensor
+        (static caches, as ``generate`` compiles them) is continued by :meth:`continue_position_ids`, which also
+        places a prompt that starts at that cache (generate's prefill).
+
+        Raises:
+            ValueError: image / video grids after a cached prefix, a prepared 4D mask for a prompt, or a cache
+                without ``rope_deltas``.
+        """
         cache = kwargs.pop("past_key_values", cache)
         B, S = inputs_embeds.shape[:2] if inputs_embeds is not None else input_ids.shape
         device = inputs_embeds.device if inputs_embeds is not None else input_ids.device
-        cached = 0 if cache is None else cache.get_seq_length()
+        cached = 0 if cache is None else cache.get_seq_length()  # an int, or a 0-dim tensor (static caches)
         # generate() with a compileable (static) cache hands the model prepared 4D masks (a dict): the padding
         # of the prompt then comes from the ids computed when generation started
         mask = attention_mask if isinstance(attention_mask, Tensor) and attention_mask.dim() == 2 else None
-        if cached == 0:
-            if image_grid_thw is None and video_grid_thw is None and self._pending is not None:
-                found = self._from_pending(mm_token_type_ids)
+        grids = image_grid_thw is not None or video_grid_thw is not None
+        fresh = not isinstance(cached, Tensor) and cached == 0
+        if grids and not fresh:
+            if int(cached) != 0:  # a prompt with vision blocks: its ids are computed on the host anyway
+                raise ValueError(
+                    "image/video grids after a cached prefix are not supported by the vlpe patch: run the whole "
+                    "prompt through one forward (or one generate call) so its vision blocks get their vlpe ids"
+                )
+            fresh = True
+        if fresh:
+            if not grids and self._pending is not None:
+                found = self._from_pending(self._pending, mm_token_type_ids, S)
                 if found is not None:  # the prompt of the running generate() call (+ its generated tokens)
                     pos, deltas, pads = found
                     self._remember(deltas, pads)
@@ -214,29 +234,67 @@ class PositionIds:
             )
             self._remember(deltas, _pads(mask, B, S, device))
             return pos.to(device)
-        # tokens after a cached prefix: text placed at cache position + rope delta
-        if S > 1 and mm_token_type_ids is not None and bool((mm_token_type_ids[:, -S:] != 0).any()):
-            raise ValueError(
-                "image/video tokens after a cached prefix are not supported by the vlpe patch: run the whole prompt "
-                "through one forward (or one generate call) so its vision blocks get their vlpe ids"
-            )
+        return self.continue_position_ids(cached, (B, S), device=device, attention_mask=mask)
+
+    def continue_position_ids(
+        self, cached: int | Tensor, shape: tuple[int, int], *, device=None, attention_mask: Tensor | None = None
+    ) -> Tensor:
+        """Packed ids ``(1 + rows, B, S)`` of ``S`` tokens after ``cached`` cached ones (an int or a 0-dim tensor),
+        with no read of a device value (compiled decoding).
+
+        Every token is text placed at its real-token index + the remembered ``rope_deltas`` (any number of tokens
+        at once: assisted decoding's candidates, after a cache crop too); their ``mm_token_type_ids`` are not read.
+        Tokens that fall inside the prompt of the running ``generate()`` call (a static cache's prefill, a chunked
+        prefill) take that prompt's own ids.
+
+        Args:
+            cached: tokens in the cache before these.
+            shape: ``(B, S)`` of the new tokens.
+            device: of the result.
+            attention_mask: ``(B, L)`` 2D mask of the whole sequence so far, or None (the prompt's padding is the
+                one remembered).
+
+        Returns:
+            The packed position tensor.
+
+        Raises:
+            ValueError: no ``rope_deltas`` were computed and the cache length is known to be > 0.
+        """
+        B, S = shape
         deltas = self.base.rope_deltas
         if deltas is None:
-            raise ValueError(
-                "a cache is present but no rope_deltas were computed: run the prompt through the model first"
-            )
+            if not isinstance(cached, Tensor) and self._pending is None:
+                raise ValueError(
+                    "a cache is present but no rope_deltas were computed: run the prompt through the model first"
+                )
+            deltas = torch.zeros(B, 1, dtype=torch.long, device=device)  # a text prompt (as transformers places it)
         deltas = deltas.to(device)
         deltas = deltas.repeat_interleave(B // deltas.shape[0], dim=0)
-        cache_position = torch.arange(cached, cached + S, device=device)
+        position = torch.arange(S, device=device) + cached  # (S,) cache positions of the new tokens
+        mask = attention_mask
         if mask is not None:  # real-token index from the mask of the whole sequence
-            ids = mm.decode_position_ids(self.variant, deltas, cache_position, attention_mask=mask)
+            ids = mm.decode_position_ids(self.variant, deltas, position, attention_mask=mask)
             text_pos = (mask.long().cumsum(-1) - 1)[:, -S:]
         else:  # from the prompt's padding: every token after the prompt is real
             pads = self._pads
             pads = torch.zeros(B, 1, dtype=torch.long, device=device) if pads is None else pads.to(device)
-            text_pos = cache_position.expand(B, S) - pads.repeat_interleave(B // pads.shape[0], dim=0)
+            text_pos = position.expand(B, S) - pads.repeat_interleave(B // pads.shape[0], dim=0)
             ids = mm.decode_position_ids(self.variant, deltas, text_pos)
-        return self.pack(text_pos, ids, torch.ones(B, S, dtype=torch.bool, device=device))
+        pos = self.pack(text_pos, ids, torch.ones(B, S, dtype=torch.bool, device=device))
+        return self._inside_pending(pos, cached, position)
+
+    def _inside_pending(self, pos: Tensor, cached: int | Tensor, position: Tensor) -> Tensor:
+        """``pos`` with the pending prompt's own ids at the cache positions ``position (S,)`` inside that prompt."""
+        if self._pending is None:
+            return pos
+        stored, prompt, _, _ = self._pending
+        B0, S0 = stored.shape
+        B = pos.shape[1]
+        if B % B0 or (not isinstance(cached, Tensor) and cached >= S0):
+            return pos
+        prompt = prompt.to(device=pos.device, dtype=pos.dtype).repeat_interleave(B // B0, dim=1)  # (R, B, S0)
+        index = position.clamp(max=S0 - 1).view(1, 1, -1).expand(prompt.shape[0], B, -1)  # (R, B, S)
+        return torch.where(position < S0, prompt.gather(-1, index), pos)
 
     def _remember(self, deltas: Tensor, pads: Tensor) -> None:
         """Keep what later tokens are placed from: ``rope_deltas`` (on the model, as transformers does) and the
@@ -244,13 +302,14 @@ class PositionIds:
         self.base.rope_deltas = deltas
         self._pads = pads
 
-    def _from_pending(self, types: Tensor | None) -> tuple[Tensor, Tensor, Tensor] | None:
-        """Ids of the prompt computed when ``generate()`` started, if ``types`` are that prompt's (repeated for
-        beams / ``num_return_sequences``), followed by generated text tokens (``use_cache=False`` re-runs the
-        whole sequence at every step)."""
-        stored, pos, deltas, pads = self._pending
+    def _from_pending(self, pending: tuple, types: Tensor | None, S: int) -> tuple[Tensor, Tensor, Tensor] | None:
+        """Ids of ``S`` tokens starting with the ``pending`` prompt (computed when ``generate()`` started), if
+        ``types`` are that prompt's (repeated for beams / ``num_return_sequences``), followed by text tokens:
+        generated ones (``use_cache=False`` re-runs the whole sequence at every step) or assisted decoding's
+        candidates, which the types may not cover yet."""
+        stored, pos, deltas, pads = pending
         B0, S0 = stored.shape
-        if types is None or types.dim() != 2 or types.shape[1] < S0 or types.shape[0] % B0:
+        if types is None or types.dim() != 2 or not S0 <= types.shape[1] <= S or types.shape[0] % B0:
             return None
         k = types.shape[0] // B0
         stored = stored.to(types.device).repeat_interleave(k, dim=0)
@@ -258,7 +317,7 @@ class PositionIds:
             return None
         dev = types.device
         pos, deltas, pads = (t.to(dev).repeat_interleave(k, dim=d) for t, d in ((pos, 1), (deltas, 0), (pads, 0)))
-        n = types.shape[1] - S0
+        n = S - S0
         if n:
             B = types.shape[0]
             text_pos = torch.arange(S0, S0 + n, device=dev).expand(B, n) - pads  # generated tokens are real
@@ -273,22 +332,57 @@ class PositionIds:
         prompt's ids are computed here while the grids are at hand; the first forward takes them after checking
         its ``mm_token_type_ids`` (repeated for beams / ``num_return_sequences``). Every later step is placed from
         the vlpe ``rope_deltas``.
+
+        Assisted decoding calls ``generate()`` of the assistant with the prompt's ``mm_token_type_ids`` but without
+        its grids (the vision features come encoded, ``mm_encoder_outputs``). The model itself as its assistant
+        keeps the ids of the running call; another assistant places the prompt's vision tokens as text, as
+        transformers does without grids, with a warning: only its drafts depend on them, never the output.
+
+        Raises:
+            ValueError: vision tokens after a cached prefix (continuing generation with new images / videos).
         """
-        self._pending = None
+        pending, self._pending = self._pending, None
         cache = model_kwargs.get("cache", model_kwargs.get("past_key_values"))
         types = model_kwargs.get("mm_token_type_ids")
-        if types is None or (cache is not None and cache.get_seq_length() > 0):
+        cached = 0 if cache is None else int(cache.get_seq_length())  # once per generate() call, on the host
+        if cached > 0:
+            if types is not None and types.dim() == 2 and bool((types[:, cached:] != 0).any()):
+                raise ValueError(
+                    "image/video tokens after a cached prefix are not supported by the vlpe patch: run the whole "
+                    "prompt through one generate call (or one forward) so its vision blocks get their vlpe ids"
+                )
             return None
         if "input_ids" in model_kwargs and model_kwargs["input_ids"].shape[1] > 0:
             inputs_tensor = model_kwargs["input_ids"]
+        shape = tuple(inputs_tensor.shape[:2])
+        device = inputs_tensor.device
+        grids = model_kwargs.get("image_grid_thw") is not None or model_kwargs.get("video_grid_thw") is not None
+        placed, seconds = types, model_kwargs.get("second_per_grid_ts")
+        if types is None:  # text: ids kept for a static cache's prefill (the first forward computes its own)
+            types = placed = torch.zeros(shape, dtype=torch.long, device=device)
+        elif not grids and bool((types != 0).any()):
+            found = None if pending is None else self._from_pending(pending, types, shape[1])
+            if found is not None:  # the model is the assistant of its own running generate() call
+                self._pending = pending
+                self._remember(found[1], found[2])
+                return None
+            if model_kwargs.get("mm_encoder_outputs"):
+                warnings.warn(
+                    "vlpe: generate() got vision features (mm_encoder_outputs) without their image_grid_thw / "
+                    "video_grid_thw (the assistant of assisted decoding does): the prompt's vision tokens are placed "
+                    "as text, as transformers places them without grids; pass the grids for the variant's ids",
+                    stacklevel=2,
+                )
+                placed, seconds = torch.zeros_like(types), None
         mask = model_kwargs.get("attention_mask")
         mask = mask if isinstance(mask, Tensor) and mask.dim() == 2 else None
         pos, deltas = self.prompt_position_ids(
-            types, model_kwargs.get("image_grid_thw"), model_kwargs.get("video_grid_thw"), mask,
-            model_kwargs.get("second_per_grid_ts"), shape=tuple(inputs_tensor.shape[:2]), device=inputs_tensor.device,
+            placed, model_kwargs.get("image_grid_thw"), model_kwargs.get("video_grid_thw"), mask,
+            seconds, shape=shape, device=device,
         )
-        self._pending = (types.clone(), pos, deltas, _pads(mask, *types.shape, types.device))
-        self.base.rope_deltas = deltas
+        pads = _pads(mask, *shape, device)
+        self._pending = (types.clone(), pos, deltas, pads)
+        self._remember(deltas, pads)
         return None
 
     def get_rope_index(

@@ -13,7 +13,7 @@ from vlpe.encodings.functional.rope import inv_freq as inv_freq_of
 from vlpe.encodings.functional.scaling import parse_scaling, scale_frequencies
 from vlpe.encodings.multimodal.rotary import frequencies, tables
 
-__all__ = ["RotarySettings", "MultimodalRotary", "rotary_settings"]
+__all__ = ["RotarySettings", "MultimodalRotary", "MultimodalRotaryEmbedding", "rotary_settings"]
 
 _RUNTIME_ROPE_TYPES = ("longrope",)  # inv_freq switches with the sequence length (dynamic NTK is handled)
 _NTK = parse_scaling({"type": "ntk", "factor": 1.0}, num_axes=1)  # the factor is given per forward (dynamic)
@@ -41,7 +41,7 @@ class RotarySettings:
     dynamic: tuple[float, float] | None = None
 
 
-class MultimodalRotary(nn.Module):
+class MultimodalRotaryEmbedding(nn.Module):
     """Replacement for the decoder's ``rotary_emb``: ``forward(x, position_ids)`` -> the decoder layers'
     ``position_embeddings``, in x's dtype.
 
@@ -57,10 +57,12 @@ class MultimodalRotary(nn.Module):
     their own names and persistence, so the patched model's ``state_dict`` / ``load_state_dict`` /
     ``named_buffers`` / ``named_non_persistent_buffers`` are the stock model's (what ``save_pretrained`` writes and
     ``from_pretrained`` fills in), and they move, cast and load with the model. :attr:`stock` hands the stock module
-    back holding them (``remove``). Not named ``*RotaryEmbedding`` on purpose: ``PreTrainedModel._init_weights``
-    recomputes the buffers of those from the module's own attributes; the stock's are recomputed by the stock's
-    rules when it is handed back after the patch was installed on the meta device (see :attr:`stock`). Checked
-    against the stock model's keys, buffers and logits by ``tests/test_integration_transformers_export.py``.
+    back holding them (``remove``). Named ``*RotaryEmbedding`` and showing the stock's ``rope_type``, ``config``
+    and frequency rules, so that ``PreTrainedModel._init_weights`` (``init_weights`` after building on the meta
+    device and ``to_empty``, ``from_pretrained`` filling in non-persistent buffers) recomputes these buffers
+    exactly as it does the stock module's; the stock's are also recomputed when it is handed back after the patch
+    was installed on the meta device (see :attr:`stock`). Checked against the stock model's keys, buffers and
+    logits by ``tests/test_integration_transformers_export.py``.
     """
 
     def __init__(self, *, patch: Any, stock: nn.Module, settings: RotarySettings) -> None:
@@ -80,6 +82,19 @@ class MultimodalRotary(nn.Module):
         self.patch = patch
         self.settings = settings
         self.cached: dict[str, tuple] = {}  # device -> (frequency matrix, attention factor, inverse frequencies)
+
+    # what PreTrainedModel._init_weights reads of a rotary module to recompute its buffers: the stock's
+    @property
+    def rope_type(self) -> str | None:
+        return getattr(self._stock, "rope_type", None)
+
+    @property
+    def config(self):
+        return getattr(self._stock, "config", None)
+
+    @property
+    def compute_default_rope_parameters(self):
+        return getattr(self._stock, "compute_default_rope_parameters", None)
 
     def _tensors(self) -> dict[str, Tensor | None]:
         return {**self._parameters, **self._buffers}
@@ -143,6 +158,9 @@ class MultimodalRotary(nn.Module):
         if patch.masked:
             return cos, sin, ids, labels
         return cos, sin
+
+
+MultimodalRotary = MultimodalRotaryEmbedding  # the name the package exports
 
 
 def model_frequencies(rotary_cls: type, cfg, rope_type: str) -> tuple[Tensor, float]:
