@@ -87,15 +87,6 @@ def check_folder(path: str) -> Path:
     return folder
 
 
-def family_of(model: nn.Module) -> str:
-    from vlpe.integrations.transformers import patch_of
-
-    patch = patch_of(model)
-    if patch is None:
-        raise ValueError("the model carries no vlpe patch")
-    return patch.family
-
-
 def freeze(model: nn.Module, parts: list[str]) -> dict[str, int]:
     """Stop gradients of ``parts`` (``vision``: the vision tower but its merger(s); ``merger``: the merger(s),
     Qwen3-VL's deepstack mergers included; ``llm``: the decoder and the LM head); returns the parameter counts
