@@ -63,7 +63,7 @@ from .checkpoint import (
 )
 from .config import ConfigError
 from .data_order import ResumableBatchSampler, SeededDataset, move_to
-from .launch import TrainSection, check_out_dir, deepspeed_config, seed_everything, setup_distributed
+from .launch import TrainSection, check_out_dir, deepspeed_config, offload_devices, seed_everything, setup_distributed
 
 __all__ = [
     "TrainSection",
@@ -72,6 +72,7 @@ __all__ = [
     "ResumableBatchSampler",
     "SeededDataset",
     "fit",
+    "build_optimizer",
     "move_to",
     "export_weights",
     "seed_everything",
@@ -99,6 +100,32 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
             decay.append(p)
     groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
     return [g for g in groups if g["params"]]  # DeepSpeed drops empty groups; the schedule must see the same ones
+
+
+def build_optimizer(model: nn.Module, train: TrainSection, ds_config: dict) -> torch.optim.Optimizer:
+    """The AdamW of a run: torch's, or DeepSpeed's CPU Adam in AdamW mode when ZeRO offloads the optimizer.
+
+    ZeRO-Offload (``zero_optimization.offload_optimizer.device`` ``cpu`` or ``nvme``) steps the optimizer on the
+    CPU, where DeepSpeed accepts only its own CPU optimizers. Both take the same :func:`param_groups` (the weight
+    decay of each group), ``train.lr`` (which the cosine schedule scales group by group), betas ``(0.9, 0.999)``
+    and eps ``1e-8``, with decoupled weight decay, so a run with and without offload follows the same update rule.
+    The CPU Adam compiles a CPU op on its first use on a machine (about two minutes) and loads it in seconds later.
+
+    Args:
+        model (nn.Module): the model to train.
+        train (TrainSection): the run's ``train:`` section (``lr``, ``weight_decay``).
+        ds_config (dict): the DeepSpeed config of the run (:func:`deepspeed_config`).
+
+    Returns:
+        torch.optim.Optimizer: ``deepspeed.ops.adam.DeepSpeedCPUAdam`` when the optimizer is offloaded, else
+        ``torch.optim.AdamW``.
+    """
+    groups = param_groups(model, train.weight_decay)
+    if offload_devices(ds_config)[0] != "none":
+        from deepspeed.ops.adam import DeepSpeedCPUAdam
+
+        return DeepSpeedCPUAdam(groups, lr=train.lr, betas=(0.9, 0.999), eps=1e-8, adamw_mode=True)
+    return torch.optim.AdamW(groups, lr=train.lr, betas=(0.9, 0.999), eps=1e-8)
 
 
 def cosine_schedule(train: TrainSection) -> Callable[[int], float]:
@@ -171,13 +198,19 @@ def fit(
     signature = model_signature(run_config)
     seed_everything(train.seed + 1)  # the training stream (dropout, drop-path) after the model's init
 
-    optimizer = torch.optim.AdamW(param_groups(model, train.weight_decay), lr=train.lr, betas=(0.9, 0.999))
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, cosine_schedule(train))
     ds_cfg = deepspeed_config(train, deepspeed_overrides, world=world, device=device)
+    optimizer = build_optimizer(model, train, ds_cfg)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, cosine_schedule(train))
     engine, _, _, _ = deepspeed.initialize(
         model=model, optimizer=optimizer, lr_scheduler=scheduler, config=ds_cfg, dist_init_required=False
     )
     engine.checkpoint_engine = SafeCheckpointEngine(engine.checkpoint_engine)  # weights_only=True loads
+    offload = offload_devices(ds_cfg)
+    if rank == 0 and offload != ("none", "none"):
+        stepped_by = type(getattr(engine, "basic_optimizer", optimizer)).__name__  # what DeepSpeed steps
+        where = [f"{what} {'on ' + device if device != 'none' else 'not offloaded'}"
+                 for what, device in zip(("optimizer state", "parameters"), offload)]  # fmt: skip
+        print(f"[train] ZeRO-Offload: {where[0]} (optimizer {stepped_by}), {where[1]}", flush=True)
 
     start = 0
     found = _resume_checkpoint(train, ckpt_dir, world=world, rank=rank, signature=signature)
