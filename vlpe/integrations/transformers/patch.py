@@ -13,6 +13,7 @@ import torch
 from torch import Tensor, nn
 
 from vlpe.encodings import multimodal as mm
+from vlpe.encodings.multimodal.checkpoints import family_variant
 
 from .attention import MASK_BASES, AttentionHooks, register_attention
 from .ids import PositionIds
@@ -21,7 +22,6 @@ from .rotary import MultimodalRotary, RotarySettings, rotary_settings
 __all__ = ["Patch", "apply", "remove", "patch_of", "position_ids", "variant_record", "read_record", "RECORD_FORMAT"]
 
 _ROTARY_KEYS = ("allocation", "section", "theta", "scaling")
-_NATIVE_ALLOCATION = {"qwen2_vl": "chunked", "qwen2_5_vl": "chunked", "qwen3_vl": "interleaved"}
 _METHODS = ("compute_3d_position_ids", "get_rope_index")  # shadowed on the base model instance
 _GENERATION = "_prepare_position_ids_for_generation"  # shadowed on the generation model instance
 RECORD_KEY = "vlpe"  # the model config's attribute (a key of config.json) holding the record of the patch
@@ -227,7 +227,7 @@ def _resolve(v: mm.Variant, options: dict[str, Any], base: nn.Module, family: st
     section = rotary_options.pop("section", None)
     native = (text.config.rope_parameters or {}).get("mrope_section")
     if (
-        section is None and v.section is None and native is not None and v.allocation == _NATIVE_ALLOCATION[family]
+        section is None and v.section is None and native is not None and v.allocation == family_variant(family).allocation
         and len(native) == v.num_axes()
     ):
         section = native  # the checkpoint's own split of the pairs over (t, h, w)
