@@ -261,3 +261,29 @@ def test_bad_model_args_name_what_was_expected(folder, tmp_path):
         with pytest.raises(ValueError) as err:
             lmms_model(args)
         assert expected in str(err.value), (args, str(err.value))
+
+
+def test_an_export_is_evaluated_as_it_was_trained(folder, tmp_path, monkeypatch):
+    """A vlpe-only export (stock loaders refuse it) loads under its recorded variant and, with variant=none, as the
+    stock model with its weights; fps and max_frames default to the ones its record says it was trained with."""
+    from transformers import AutoModelForImageTextToText
+
+    from vlpe.integrations import transformers as vlpe_hf
+
+    for k, v in OFFLINE.items():
+        monkeypatch.setenv(k, v)
+    model = vlpe_hf.apply(AutoModelForImageTextToText.from_pretrained(folder, local_files_only=True), VARIANT)
+    export = tmp_path / "export"
+    vlpe_hf.save_pretrained(model, export, preprocessing={"fps": 1.0, "max_frames": 6})
+    for f in folder.iterdir():  # the processor files
+        if f.name not in ("config.json", "model.safetensors") and f.is_file():
+            (export / f.name).write_bytes(f.read_bytes())
+    assert json.loads((export / "config.json").read_text())["vlpe"]["export"]["stock"] is False
+    recorded = lmms_model(f"pretrained={export}")
+    assert recorded.label == VARIANT and (recorded.fps, recorded.max_frames) == (1.0, 6)
+    given = lmms_model(f"pretrained={export},fps=3,max_frames=8")
+    assert (given.fps, given.max_frames) == (3.0, 8)
+    stock = lmms_model(f"pretrained={export},variant=none")
+    assert vlpe_hf.patch_of(stock.model) is None and (stock.fps, stock.max_frames) == (1.0, 6)
+    plain = lmms_model(f"pretrained={folder},variant=none")  # no record: the documented defaults
+    assert (plain.fps, plain.max_frames) == (2.0, 32)
