@@ -11,7 +11,8 @@ What is checked, against references that do not use peft's merging:
 - DoRA, the same for MHRoPE in both orders;
 - with LoRA the vision tower and the mergers train in full unless ``train.freeze`` names them (gradients reach
   them), the decoder through its adapters only;
-- LoRA at ZeRO-3 is refused when the config is read, before any model loads or any process group starts.
+- LoRA at ZeRO-3 is refused when the config is read, before any model loads or any process group starts; so is
+  LoRA with ``train.freeze`` naming llm (it would freeze the adapters).
 """
 
 from __future__ import annotations
@@ -181,7 +182,7 @@ def test_lora_trains_the_vision_tower_and_mergers_unless_frozen(family, tiny_qwe
     ]
 
 
-def test_lora_at_zero3_is_refused_before_anything_loads(tiny_qwen_vl, monkeypatch, tmp_path):
+def test_lora_refusals_come_when_the_config_is_read(tiny_qwen_vl, monkeypatch, tmp_path):
     import deepspeed
     import torch.distributed
     from transformers import AutoModelForImageTextToText
@@ -202,6 +203,8 @@ def test_lora_at_zero3_is_refused_before_anything_loads(tiny_qwen_vl, monkeypatc
     with pytest.raises(ConfigError, match=r"model.lora.enabled=true needs train.zero_stage 0, 1 or 2, got 3"):
         vlm_main(args)  # configs/hf/ run at ZeRO-3 by default
     assert not (tmp_path / "run").exists()
+    with pytest.raises(ConfigError, match=r"train.freeze=\['llm'\]: the decoder trains through its LoRA adapters"):
+        load_config(VLMConfig, "configs/hf/qwen2_vl.yaml", [*args[2:], "train.zero_stage=2", "train.freeze=[llm]"])
     ok = load_config(VLMConfig, "configs/hf/qwen2_vl.yaml", [*args[2:], "train.zero_stage=2",
                                                             "model.lora.use_dora=true"])  # fmt: skip
     assert ok.model.lora.use_dora and ok.train.zero_stage == 2

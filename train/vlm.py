@@ -189,6 +189,12 @@ def check_mode(cfg: "VLMConfig") -> None:
                 "whole weights on one rank at export, which ZeRO-3's partitions do not hold; set train.zero_stage=2 "
                 "(the decoder's base weights are frozen, so LoRA needs little memory), or fine-tune in full at ZeRO-3"
             )
+        if cfg.model.lora.enabled and "llm" in cfg.train.freeze:
+            raise ConfigError(
+                f"model.lora.enabled=true with train.freeze={list(cfg.train.freeze)}: the decoder trains through its "
+                "LoRA adapters, which freezing llm would freeze too; remove llm from train.freeze, or set "
+                "model.lora.enabled=false to train the vision parts alone"
+            )
 
 
 def build_tokenizer(data: DataSection):
