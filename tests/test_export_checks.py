@@ -174,3 +174,12 @@ def test_lmms_eval_unreadable_visuals_name_the_task_document_and_file(tmp_path, 
     request = SimpleNamespace(args=("Q?", None, lambda doc: [doc["media"]], 9, "tiny_task", "test"))
     with pytest.raises(ValueError, match="task 'tiny_task', document 9 .*good.mp4.*UnicodeDecodeError"):
         lm._inputs(request)
+
+
+@pytest.mark.parametrize("variant", ["mrope", None, "none"])
+def test_lmms_eval_model_names_a_config_that_is_not_json(variant, tmp_path):
+    from vlpe.integrations.lmms_eval import _QwenVLRequests
+
+    folder = folder_with(tmp_path, "{not json")
+    with pytest.raises(ValueError, match=re.escape(str(folder / "config.json")) + " is not valid JSON"):
+        _QwenVLRequests(pretrained=str(folder), variant=variant)
