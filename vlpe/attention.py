@@ -245,44 +245,55 @@ def _rows(mask: Tensor, rows: slice, n_q: int) -> Tensor:
 _fast_attention = fast_attention  # module attribute: tests replace it to check which path is taken
 
 
-
-_LOGITS_CONTRACT = ("enc", "q", "k", "pos", "layer")
-
-
-def _logits_arguments(args: tuple, given: dict) -> tuple[Encoding, Tensor, Tensor, Positions, int]:
-    """``(enc, q, k, pos, layer)`` of either spelling of :func:`attention_logits`; ``TypeError`` saying which
-    argument is missing or given twice, and how the call is written."""
-    usage = ("call attention_logits(q, k, enc=enc, pos=pos, layer=0) (the order of attend(q, k, v, enc=, ctx=)) or "
-             "attention_logits(enc, q, k, pos, layer=0)")  # fmt: skip
-    if args and not isinstance(args[0], Tensor):  # the public contract's order: enc first
-        names = _LOGITS_CONTRACT
-    else:
-        names = ("q", "k")
-    if len(args) > len(names):
-        raise TypeError(f"attention_logits takes at most {len(names)} positional arguments here ({', '.join(names)}), "
-                        f"got {len(args)}; {usage}")  # fmt: skip
-    values = dict(zip(names, args))
-    twice = [n for n in values if given.get(n) is not None]
-    if twice:
-        raise TypeError(f"attention_logits got {twice[0]!r} both by position and by keyword; {usage}")
-    values.update({n: v for n, v in given.items() if v is not None and n not in values})
-    missing = [n for n in _LOGITS_CONTRACT[:4] if values.get(n) is None]
-    if missing:
-        raise TypeError(f"attention_logits is missing {', '.join(map(repr, missing))}; {usage}")
-    return values["enc"], values["q"], values["k"], values["pos"], int(values.get("layer", 0))
+_LOGITS_USAGE = "call attention_logits(q, k, enc=enc, pos=pos, layer=0) (the order of attend(q, k, v, enc=, ctx=))"
+_LOGITS_CONTRACT = ("enc", "q", "k", "pos", "layer")  # the public contract's positional order
 
 
-def attention_logits(*args: Encoding | Tensor | Positions | int, enc: Encoding | None = None, q: Tensor | None = None,
-                     k: Tensor | None = None, pos: Positions | None = None, layer: int | None = None) -> Tensor:  # fmt: skip
-    """Pre-softmax scores ``(B, H, N, N)`` with every effect of ``enc`` on them included.
+def attention_logits(
+    q: Tensor | Encoding,
+    k: Tensor | None = None,
+    *contract: Tensor | Positions | int,
+    enc: Encoding | None = None,
+    pos: Positions | None = None,
+    layer: int | None = None,
+) -> Tensor:
+    """Pre-softmax scores with every effect of ``enc`` on them included (materialises N x N: for tests and plots).
 
-    Two spellings of one call: ``attention_logits(q, k, enc=enc, pos=pos, layer=0)``, tensors first as in
-    :func:`attend` ``(q, k, v, enc=, ctx=)``, and the public contract's ``attention_logits(enc, q, k, pos, layer=0)``
-    (kept exactly as it is: both spellings are supported and neither warns).
+    Called as ``attention_logits(q, k, enc=enc, pos=pos, layer=0)``, the argument order of :func:`attend`. The
+    public contract's positional order ``attention_logits(enc, q, k, pos, layer=0)`` is the same call.
 
-    ``q, k``: ``(B, H, N, Dh)`` as they enter attention. For tests and plots (this materialises N x N).
+    Args:
+        q: Queries ``(B, H, N, Dh)`` as they enter attention.
+        k: Keys ``(B, H, N, Dh)``.
+        contract: Nothing; or, in the contract's order (``q`` the encoding, ``k`` the queries), the keys, the
+            positions and optionally the layer.
+        enc: The encoding.
+        pos: The positions of the ``N`` tokens.
+        layer: The attention block (default 0).
+
+    Returns:
+        The logits ``(B, H, N, N)``, ``-inf`` on padding keys.
+
+    Raises:
+        TypeError: An argument missing, given twice, or more positional arguments than either order takes.
     """
-    enc, q, k, pos, layer = _logits_arguments(args, dict(enc=enc, q=q, k=k, pos=pos, layer=layer))
+    if isinstance(q, Encoding):  # the public contract's order: (enc, q, k, pos, layer)
+        if len(contract) > 3:
+            raise TypeError(f"attention_logits(enc, q, k, pos, layer=0) takes at most 5 positional arguments, got "
+                            f"{2 + len(contract)}; {_LOGITS_USAGE}")  # fmt: skip
+        given = dict(zip(_LOGITS_CONTRACT, (q, k, *contract)))
+        for name, value in (("enc", enc), ("pos", pos), ("layer", layer)):
+            if value is not None and name in given:
+                raise TypeError(f"attention_logits got {name!r} both by position and by keyword; {_LOGITS_USAGE}")
+            given.setdefault(name, value)
+        enc, q, k, pos, layer = (given.get(name) for name in _LOGITS_CONTRACT)
+    elif contract:
+        raise TypeError(f"attention_logits takes at most 2 positional arguments here (q, k), got {2 + len(contract)}; "
+                        f"{_LOGITS_USAGE}")  # fmt: skip
+    missing = [name for name, given in (("enc", enc), ("k", k), ("pos", pos)) if given is None]
+    if missing:
+        raise TypeError(f"attention_logits is missing {', '.join(map(repr, missing))}; {_LOGITS_USAGE}")
+    layer = 0 if layer is None else layer
     ctx = enc.prepare(pos)
     check_qkv(q, k, None, enc=enc, ctx=ctx, who=f"{type(enc).__name__} attention_logits")
     scale = q.shape[-1] ** -0.5
