@@ -153,33 +153,36 @@ def _part(name: str) -> str:
     return "merger" if merger else "vision"
 
 
-@pytest.mark.parametrize("family", ["qwen2_vl", "qwen3_vl"])
-def test_lora_trains_the_vision_tower_and_mergers_unless_frozen(family, tiny_qwen_vl):
+@pytest.mark.parametrize("family,dora", [("qwen2_vl", False), ("qwen3_vl", True)])
+def test_lora_trains_the_vision_tower_and_mergers_unless_frozen(family, dora, tiny_qwen_vl):
     from train.finetune import load_model
     from train.vlm import VLMConfig
 
     folder = tiny_qwen_vl(family)
     _, inputs = source(family, tiny_qwen_vl)
     common = [f"model.hf_model={folder}", "data.annotations=a.json", "train.zero_stage=2", "model.lora.enabled=true",
-              "model.variant=mhrope", "train.gradient_checkpointing=false"]  # fmt: skip
+              "model.variant=mhrope", "train.gradient_checkpointing=false",
+              f"model.lora.use_dora={str(dora).lower()}"]  # fmt: skip
     for freeze, trained in (([], {"adapter", "vision", "merger"}), (["vision"], {"adapter", "merger"}),
                             (["merger"], {"adapter", "vision"})):  # fmt: skip
         cfg = load_config(VLMConfig, f"configs/hf/{family}.yaml", [*common, f"train.freeze=[{', '.join(freeze)}]"])
         model, _, _, _ = load_model(cfg, None)
         named = dict(model.named_parameters())
         assert {_part(n) for n in named} == {"adapter", "llm", "vision", "merger"}
+        assert any("lora_magnitude_vector" in n for n in named) == dora
         for name, p in named.items():
             assert p.requires_grad == (_part(name) in trained), (freeze, name)
-    # a training step reaches every tensor of the vision tower and the mergers (train.freeze=[] ... the last config
-    # above froze the mergers: load once more with nothing frozen)
+    # with nothing frozen, one backward pass reaches every tensor of the vision tower, the mergers and the adapters
+    # (but lora_A, whose gradient is 0 while lora_B starts at 0)
     cfg = load_config(VLMConfig, f"configs/hf/{family}.yaml", [*common, "train.freeze=[]"])
     model, _, _, _ = load_model(cfg, None)
     model.train()
     model(**inputs, labels=inputs["input_ids"]).loss.backward()
-    visual = {n: p for n, p in model.named_parameters() if _part(n) in ("vision", "merger")}
-    assert visual and all(p.grad is not None and p.grad.abs().sum() > 0 for p in visual.values()), [
-        n for n, p in visual.items() if p.grad is None or not p.grad.abs().sum() > 0
+    trained = {n: p for n, p in model.named_parameters() if _part(n) != "llm" and "lora_A" not in n}
+    assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in trained.values()), [
+        n for n, p in trained.items() if p.grad is None or not p.grad.abs().sum() > 0
     ]
+    assert all(p.grad is None for n, p in model.named_parameters() if _part(n) == "llm")
 
 
 def test_lora_refusals_come_when_the_config_is_read(tiny_qwen_vl, monkeypatch, tmp_path):
