@@ -5,10 +5,10 @@
     python eval/zero_shot.py --help                            # every key with its default
 
 Protocol. For each encoding, ``open_clip.create_model("<tower>-<encoding>")`` (the configs of
-:mod:`vlpe.integrations.open_clip`: a vlpe ViT through open_clip's ``timm_model_name``, open_clip's text
+:mod:`models.clip`: a vlpe ViT through open_clip's ``timm_model_name``, open_clip's text
 transformer and its bundled BPE tokenizer) is trained from scratch, contrastively, on the Fashion-MNIST
 training images (Debian ``dataset-fashion-mnist``, 28 px; pixels as the config's ``preprocess_cfg`` of
-:mod:`vlpe.integrations.open_clip` says: [0, 1], unnormalised) paired with captions: a class name in one of
+:mod:`models.clip` says: [0, 1], unnormalised) paired with captions: a class name in one of
 :data:`TRAIN_TEMPLATES`, drawn per image and step. Fashion-MNIST has ten classes, so a batch holds many
 images of one class; the loss is CLIP's symmetric cross-entropy with every caption of the image's class
 counted as a positive (the UniCL form; with unique captions it is CLIP's loss). Every encoding gets the same
@@ -63,7 +63,7 @@ TEST_TEMPLATES = (  # never seen in training
 class ZeroShotConfig:
     """The protocol's knobs (YAML keys; a typo is an error listing these)."""
 
-    tower: str = "vlpe-ViT-Pico-4-28"  # a vlpe.integrations.open_clip tower
+    tower: str = "vlpe-ViT-Pico-4-28"  # a models.clip tower
     encodings: list[str] = field(default_factory=list)
     steps: int = 300
     batch_size: int = 64
@@ -158,7 +158,7 @@ def _check_configs(tower: str, encodings: Sequence[str]) -> None:
     """``ValueError`` naming the configs that exist unless every ``<tower>-<encoding>`` is an open_clip config."""
     import open_clip
 
-    import vlpe.integrations.open_clip as vo
+    import models.clip as vo
 
     missing = [f"{tower}-{e}" for e in encodings if f"{tower}-{e}" not in open_clip.list_models()]
     if missing:
@@ -169,7 +169,7 @@ def train_clip(cfg: ZeroShotConfig, encoding: str, images: Tensor, labels: Tenso
     """Train ``<tower>-<encoding>`` from scratch; returns the CLIP (eval mode), its tokenizer and the losses."""
     import open_clip
 
-    import vlpe.integrations.open_clip as vo
+    import models.clip as vo
 
     _check_configs(cfg.tower, [encoding])
     name = f"{cfg.tower}-{encoding}"
@@ -245,7 +245,7 @@ def run(cfg: ZeroShotConfig, *, log=print) -> dict[str, Any]:
 def _run(cfg: ZeroShotConfig, log) -> dict[str, Any]:
     import open_clip
 
-    import vlpe.integrations.open_clip as vo
+    import models.clip as vo
 
     _check_configs(cfg.tower, cfg.encodings)  # before any training
     train_x, train_y, classes = _fashion_mnist("train", cfg.train_limit)

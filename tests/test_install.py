@@ -93,10 +93,6 @@ def test_every_module_of_the_wheel_imports_without_the_checkout(wheel, tmp_path)
     assert Path(lib).is_relative_to(purelib), lib  # the installed copy, not the checkout
     assert int(count) > 40
     assert not [f for f in failed if f], "modules of the wheel that do not import without the checkout:\n" + "\n".join(failed)
-    # what needs the harness says so, naming the checkout
-    r = subprocess.run([str(py), "-c", "import vlpe.integrations.open_clip as vo; vo.config_for('vlpe-ViT-Pico-4-28', 'rope')"],
-                       cwd=work, env=_env(), capture_output=True, text=True, timeout=900)  # fmt: skip
-    assert r.returncode != 0 and "ImportError" in r.stderr and "checkout" in r.stderr, r.stderr[-2000:]
 
 
 @pytest.mark.slow

@@ -9,7 +9,7 @@ import torch
 
 open_clip = pytest.importorskip("open_clip")
 
-import vlpe.integrations.open_clip as vo  # noqa: E402
+import models.clip as vo  # noqa: E402
 from models.vit import ViT, fits, grid_encodings  # noqa: E402
 
 TOWER = "vlpe-ViT-Pico-4-28"

@@ -17,7 +17,7 @@ import torch
 open_clip = pytest.importorskip("open_clip")
 import zero_shot as zs  # noqa: E402
 
-import vlpe.integrations.open_clip as vo  # noqa: E402
+import models.clip as vo  # noqa: E402
 
 NAME = "vlpe-ViT-Pico-4-28-rope"
 TINY = ["steps=2", "batch_size=16", "train_limit=64", "test_limit=20", "sizes=[28]", "eval_batch=20", "warmup_steps=1"]
@@ -28,7 +28,7 @@ def test_preprocess_cfg_matches_the_towers_timm_config():
     pp, timm_cfg = model.visual.preprocess_cfg, model.visual.trunk.pretrained_cfg
     assert tuple(pp["mean"]) == tuple(timm_cfg["mean"]) and tuple(pp["std"]) == tuple(timm_cfg["std"])
     assert vo.preprocess_cfg(NAME)["size"] == vo.TOWERS["vlpe-ViT-Pico-4-28"][2]
-    with pytest.raises(ValueError, match="not a config of vlpe.integrations.open_clip"):
+    with pytest.raises(ValueError, match="not a config of models.clip"):
         vo.preprocess_cfg("ViT-B-32")
 
 

@@ -57,7 +57,7 @@ def test_readme_timm_open_clip_and_hub_snippets_run_offline(tmp_path):
         "huggingface_hub.hf_hub_download = _refuse\n"
         "top1 = 0.5  # what the README's reader measured\n"
         + _block("features_only=True, out_indices=(-2, -1)")
-        + _block("import open_clip, vlpe.integrations.open_clip")
+        + _block("import open_clip, models.clip")
         + _block(".save_pretrained(")
         + "\nassert sorted(p.name for p in __import__('pathlib').Path('vit-fmnist').iterdir()) == "
         "['README.md', 'config.json', 'model.safetensors']\nprint('snippets ok')\n"

@@ -1,6 +1,6 @@
 """open_clip model configs whose vision tower is a vlpe ViT, with any encoding that runs on a 2D grid.
 
-    import open_clip, vlpe.integrations.open_clip as vo
+    import open_clip, models.clip as vo
     [n for n in open_clip.list_models() if n.startswith("vlpe-")]   # vlpe-ViT-S-16-rope, ...-lookhere, ...
     # one config per tower and encoding that runs on a 2D grid and builds for the tower's ViT
     clip = open_clip.create_model("vlpe-ViT-Pico-4-28-lookhere")
@@ -16,10 +16,9 @@ linear projection to the joint embedding. The text tower is open_clip's ``TextTr
 Towers (:data:`TOWERS`): ``vlpe-ViT-S-16`` (ViT-S/16 at 224 px with open_clip's ViT-S-16 text tower) and
 ``vlpe-ViT-Pico-4-28`` (a 3-block, 96-wide ViT at 28 px with a 2-layer text tower: CPU-sized, what
 ``eval/zero_shot.py`` trains). :func:`register` adds a config of your own (any encoding, incl. one you
-registered in vlpe). The towers come from the harness (``models/vit.py``): installed from the wheel alone the
-module imports and :func:`register` works, the built-in configs are absent and :func:`config_for` raises an
-``ImportError`` naming the checkout. Checked in ``tests/test_integration_open_clip.py`` against open_clip's factory,
-tokenizer and loss classes.
+registered in vlpe). The towers are the harness's ViT (:mod:`models.vit`), so this module lives beside it,
+not in the library. Checked in ``tests/test_integration_open_clip.py`` against open_clip's factory, tokenizer and
+loss classes.
 
 Preprocessing: the towers take [0, 1] pixels, unnormalised (mean 0, std 1, as their timm ``pretrained_cfg`` says
 and as ``eval/zero_shot.py`` trains them), the whole image resized to the tower's size (bicubic, no crop). open_clip
@@ -35,6 +34,8 @@ import copy
 import json
 import tempfile
 from typing import Any
+
+from .vit import fits, grid_encodings, register_timm, timm_name
 
 __all__ = [
     "TOWERS", "PREPROCESS", "config_for", "register", "names", "preprocess_cfg", "create_model_and_transforms",
@@ -60,29 +61,8 @@ _CONFIG_DIR = tempfile.TemporaryDirectory(prefix="vlpe-open-clip-")  # open_clip
 _REGISTERED: list[str] = []
 
 
-def _harness_vit():
-    """``models.vit``, the harness module that defines the ``vlpe_vit_*`` timm towers, or an ``ImportError``
-    saying where it lives: it ships with the checkout, not the wheel (``pip install .`` holds ``vlpe`` only)."""
-    try:
-        import models.vit as vit
-    except ModuleNotFoundError as e:
-        if e.name not in ("models", "models.vit"):
-            raise
-        raise ImportError(
-            "vlpe.integrations.open_clip: the vlpe-ViT towers are the timm architectures of the harness module "
-            "models/vit.py, which the vlpe checkout holds and the wheel does not; run from a checkout set up with "
-            "`make setup` (it puts the checkout on the path), or register(name, config) a config whose "
-            "vision_cfg.timm_model_name is a timm architecture you have"
-        ) from None
-    return vit
-
-
 def config_for(tower: str, encoding: str) -> dict[str, Any]:
-    """The open_clip model config of ``tower`` (:data:`TOWERS`) with ``encoding`` in its vision tower (needs the
-    harness' ``models.vit``: an ``ImportError`` saying so without the checkout)."""
-    vit = _harness_vit()
-    fits, register_timm, timm_name = vit.fits, vit.register_timm, vit.timm_name
-
+    """The open_clip model config of ``tower`` (:data:`TOWERS`) with ``encoding`` in its vision tower."""
     if tower not in TOWERS:
         raise ValueError(f"unknown tower {tower!r}; towers: {', '.join(TOWERS)}")
     preset, patch, size, embed_dim, text_cfg = TOWERS[tower]
@@ -139,7 +119,7 @@ def _preprocess_for(config: dict[str, Any], preprocess: dict[str, Any] | None) -
 def preprocess_cfg(name: str) -> dict[str, Any]:
     """The open_clip ``PreprocessCfg`` (as a dict) the config ``name`` of this module is trained with."""
     if name not in _PREPROCESS:
-        raise ValueError(f"{name!r} is not a config of vlpe.integrations.open_clip; configs: {', '.join(names())}")
+        raise ValueError(f"{name!r} is not a config of models.clip; configs: {', '.join(names())}")
     return copy.deepcopy(_PREPROCESS[name])
 
 
@@ -161,15 +141,9 @@ def names(encoding: str | None = None) -> list[str]:
 
 
 def _register_builtins() -> None:
-    """The ``vlpe-<tower>-<encoding>`` configs, when the harness' towers are importable (a checkout); without it
-    (the wheel alone) none, and :func:`config_for` says why."""
+    """The ``vlpe-<tower>-<encoding>`` configs of every tower and grid encoding that builds for it."""
     import open_clip
 
-    try:
-        vit = _harness_vit()
-    except ImportError:
-        return
-    fits, grid_encodings = vit.fits, vit.grid_encodings
     for tower, (preset, *_) in TOWERS.items():
         for encoding in grid_encodings():
             if not fits(preset, encoding):  # e.g. LookHere's direction presets on fewer than 12 heads
