@@ -33,7 +33,10 @@ What :func:`apply` changes, all of it undone by :func:`remove`:
 - ``generate()`` no longer precomputes ``position_ids`` (its ``last + 1`` extension is wrong whenever a prompt
   ends inside a vision block, and per layer for PyPE); because it hands the grids to the vision encoder before the
   first forward, the prompt's ids are computed when generation starts and picked up by the first forward after
-  checking its ``mm_token_type_ids``.
+  checking its ``mm_token_type_ids``. Assisted decoding (``assistant_model=``: several candidates per step, cache
+  crops), static caches and ``torch.compile(fullgraph=True)`` decoding (``compile_config``) work as on the stock
+  model: tokens after a cached prefix are placed without reading a device value
+  (:meth:`PositionIds.continue_position_ids`).
 - Per-head tables (``multi_head`` allocation, MHRoPE): forward hooks on every decoder attention's query and key
   modules (the projections; Qwen3-VL's head-wise norms) rotate every head by its KV head's axis, and the layer's
   own ``apply_rotary_pos_emb`` gets identity tables. No modeling file is touched, so other models (and other
