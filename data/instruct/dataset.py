@@ -14,10 +14,18 @@ frame indices and native rate as ``video_metadata``, so Qwen3-VL renders the rea
 ``second_per_grid_ts`` is set to ``temporal_patch_size`` x the real mean interval of the sampled frames (the
 5.24 processor derives it from ``len(indices) / total_frames * fps``, the average rate over the whole video).
 
+Annotations are read in any format of :mod:`data.instruct.annotations` (LLaVA ``conversations``, LLaMA-Factory /
+ms-swift ``messages``, Qwen content items); a sample may hold images and videos, in any order, and videos given as
+frame files. Media paths are relative to ``media_root``; a path that leads outside it (``..``, an absolute path, a
+symlink that resolves outside) is refused with ``ValueError`` unless ``allow_outside_root=True``.
+
 Samples longer than ``max_length`` tokens are dropped (``None``, counted in ``dropped``), never truncated. A
-missing or undecodable media file skips its sample (``None``, a RuntimeWarning, recorded in ``skipped``), with the
-rule of :class:`data.images.ImageFolder`: more than ``max_skipped`` distinct files raise ``ValueError``. Both
-counts are per process (each DataLoader worker keeps its own). Malformed annotations raise at construction.
+missing or undecodable media file (or a picture the processors refuse: an aspect ratio over 200) skips its sample
+(``None``, a RuntimeWarning, recorded in ``skipped``), with the rule of :class:`data.images.ImageFolder`: more than
+``max_skipped`` distinct files raise ``ValueError``; so does a process in which more than ``max_skipped_fraction``
+of the samples read (at least 16, or all of a smaller set) were left out, dropped or skipped: such a run would
+learn from nothing. The counts are per process (each DataLoader worker keeps its own). Malformed annotations
+raise at construction.
 """
 
 from __future__ import annotations
@@ -31,8 +39,8 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
-from .annotations import AnnotationError, read_annotations, sample_media, to_messages, validate_samples
-from .media import MediaError, _check_rate, load_image, load_video_indexed
+from .annotations import AnnotationError, chat_messages, parse_samples, read_annotations, sample_media
+from .media import MediaError, _check_rate, load_frames, load_image, load_video_indexed
 
 __all__ = ["InstructDataset", "FAMILIES", "IGNORE_INDEX"]
 
@@ -60,10 +68,16 @@ class InstructDataset(Dataset):
     ``image_grid_thw`` (k, 3) for images, ``pixel_values_videos`` + ``video_grid_thw`` (v, 3) for videos,
     ``second_per_grid_ts`` (v,) float32 for Qwen2.5-VL; ``index`` and ``length`` (= S) ints.
 
-    ``fps`` / ``max_frames``: the video sampling (:mod:`data.instruct.media`). ``min_pixels`` / ``max_pixels``:
-    the pixel budget of every image and every video frame (None: the processor's own); they go to the processor
-    as ``size={"shortest_edge", "longest_edge"}``, scaled by the frame count for Qwen3-VL videos, whose
-    processor reads ``size`` as a budget for the whole video.
+    ``fps`` / ``max_frames`` / ``nframes``: the video sampling (:mod:`data.instruct.media`; ``nframes``, when
+    set, takes that many frames instead). ``min_pixels`` / ``max_pixels``: the pixel budget of every image and
+    every video frame (None: the processor's own); ``image_max_pixels`` / ``video_max_pixels`` replace
+    ``max_pixels`` for images / video frames. They go to the processor as ``size={"shortest_edge",
+    "longest_edge"}``, scaled by the frame count for Qwen3-VL videos, whose processor reads ``size`` as a budget
+    for the whole video; videos larger than the budget are decoded at it. A Qwen-format media item's own
+    ``fps``, ``nframes``, ``max_frames``, ``min_pixels`` and ``max_pixels`` override these for that item.
+    ``format``: the annotation format (``"auto"``: detected per file). ``allow_outside_root``: read media paths
+    that lead outside ``media_root``. ``max_skipped`` / ``max_skipped_fraction``: the limits of the module
+    docstring (``max_skipped_fraction=1`` never stops).
     """
 
     def __init__(
@@ -79,6 +93,12 @@ class InstructDataset(Dataset):
         max_pixels: int | None = None,
         max_length: int | None = None,
         max_skipped: int = 100,
+        nframes: int | None = None,
+        image_max_pixels: int | None = None,
+        video_max_pixels: int | None = None,
+        format: str = "auto",
+        allow_outside_root: bool = False,
+        max_skipped_fraction: float = 0.5,
     ) -> None:
         if family not in FAMILIES:
             raise ValueError(f"family must be one of {FAMILIES}, got {family!r}")
@@ -91,8 +111,20 @@ class InstructDataset(Dataset):
                              "it (an Instruct checkpoint folder ships one in chat_template.jinja / .json)")  # fmt: skip
         _check_rate(fps, max_frames)
         self.min_pixels, self.max_pixels = _pixels("min_pixels", min_pixels), _pixels("max_pixels", max_pixels)
-        if self.min_pixels and self.max_pixels and self.min_pixels > self.max_pixels:
-            raise ValueError(f"min_pixels ({min_pixels}) must not exceed max_pixels ({max_pixels})")
+        self.kind_max = {"image": _pixels("image_max_pixels", image_max_pixels),
+                         "video": _pixels("video_max_pixels", video_max_pixels)}  # fmt: skip
+        for name, value in (("max_pixels", self.max_pixels), ("image_max_pixels", self.kind_max["image"]),
+                            ("video_max_pixels", self.kind_max["video"])):  # fmt: skip
+            if self.min_pixels and value and self.min_pixels > value:
+                raise ValueError(f"min_pixels ({min_pixels}) must not exceed {name} ({value})")
+        if nframes is not None and (isinstance(nframes, bool) or not isinstance(nframes, int) or nframes < 2):
+            raise ValueError(f"nframes must be an integer >= 2 (frames per video) or None, got {nframes!r}")
+        if isinstance(max_skipped_fraction, bool) or not isinstance(max_skipped_fraction, (int, float)) \
+                or not 0 <= max_skipped_fraction <= 1:  # fmt: skip
+            raise ValueError(f"max_skipped_fraction must be a number in [0, 1] (1: never stop), got "
+                             f"{max_skipped_fraction!r}")  # fmt: skip
+        if not isinstance(allow_outside_root, bool):
+            raise ValueError(f"allow_outside_root must be True or False, got {allow_outside_root!r}")
         if max_length is not None and (isinstance(max_length, bool) or not isinstance(max_length, int)
                                        or max_length < 1):  # fmt: skip
             raise ValueError(f"max_length must be a positive integer number of tokens or None, got {max_length!r}")
@@ -104,55 +136,98 @@ class InstructDataset(Dataset):
                              "paths are relative to")  # fmt: skip
         if isinstance(annotations, (str, os.PathLike)):
             self.source = Path(annotations).name
-            self.samples = read_annotations(annotations)
+            self.samples = parse_samples(read_annotations(annotations, format=format), source=self.source,
+                                         format=format)  # fmt: skip
         else:
             self.source = "annotations"
-            validate_samples(annotations, source=self.source)
-            self.samples = list(annotations)
-            if not self.samples:
-                raise AnnotationError("annotations: the list of samples is empty")
+            self.samples = parse_samples(list(annotations) if isinstance(annotations, Sequence) else annotations,
+                                         source=self.source, format=format)  # fmt: skip
+        self.format = self.samples[0]["format"]
+        self.allow_outside_root = allow_outside_root
+        self.root = self.media_root.resolve()
+        for i, sample in enumerate(self.samples):  # paths that lead outside the root, before any file is opened
+            for item in sample_media(sample):
+                for p in item.get("frames", [item.get("image") or item.get("video")]):
+                    self._media_path(p, i, resolve=False)  # symlinks are resolved when the file is read
         self.processor, self.family = processor, family
         self.tokenizer = processor.tokenizer
-        self.fps, self.max_frames = float(fps), int(max_frames)
-        self.max_length, self.max_skipped = max_length, max_skipped
+        self.fps, self.max_frames, self.nframes = float(fps), int(max_frames), nframes
+        self.max_length, self.max_skipped, self.max_skipped_fraction = max_length, max_skipped, max_skipped_fraction
         self.tokens = {"image": processor.image_token, "video": processor.video_token}
         for i, sample in enumerate(self.samples):  # the processor's media tokens in text would count as media
-            for j, turn in enumerate(sample["conversations"]):
-                hit = [t for t in self.tokens.values() if t in turn["value"]]
-                if hit:
-                    raise AnnotationError(
-                        f"{self.source}: sample {i}: conversations[{j}].value holds the processor's media token "
-                        f"{hit[0]}; write <video> / <image> placeholders instead"
-                    )
+            for j, message in enumerate(sample["messages"]):
+                for item in message["content"]:
+                    hit = [t for t in self.tokens.values() if item["type"] == "text" and t in item["text"]]
+                    if hit:
+                        raise AnnotationError(
+                            f"{self.source}: sample {i}: turn {j} holds the processor's media token {hit[0]}; write "
+                            "<video> / <image> placeholders (or qwen media items) instead"
+                        )
         self.dropped: dict[int, int] = {}
         self.skipped: dict[str, str] = {}
+        self.reads = 0  # samples read by this process, and of them left out (dropped or skipped)
+        self.left_out = 0
 
     def __len__(self) -> int:
         return len(self.samples)
 
+    # paths -----------------------------------------------------------------------------------------------------
+    def _media_path(self, path: str, index: int, *, resolve: bool = True) -> Path:
+        """The file of a media path of sample ``index``, under ``media_root``; ``ValueError`` when it leads
+        outside it (by ``..``, as an absolute path, or, with ``resolve``, once symlinks are resolved) and that is
+        not allowed."""
+        joined = self.media_root / path
+        if self.allow_outside_root:
+            return joined
+        lexical = Path(os.path.normpath(self.root / path))
+        resolved = joined.resolve() if resolve and (joined.exists() or joined.is_symlink()) else lexical
+        inside = lexical.is_relative_to(self.root) and resolved.is_relative_to(self.root)
+        if not inside:
+            how = "resolves" if lexical.is_relative_to(self.root) else "leads"
+            raise ValueError(
+                f"{self.source}: sample {index}: the media path {path!r} {how} outside data.media_root ({self.root}); "
+                "media are read from under the media root only. Move the file there, set data.media_root to a "
+                "folder that holds it, or allow paths outside it with data.allow_outside_root=true (e.g. for "
+                "LLaMA-Factory / ms-swift files with absolute paths)"
+            )
+        return joined
+
     # processor kwargs ------------------------------------------------------------------------------------------
-    def _size(self, default: Any, scale: int = 1) -> dict | None:
-        if self.min_pixels is None and self.max_pixels is None:
+    def _budget(self, item: dict) -> tuple[int | None, int | None]:
+        """``(min_pixels, max_pixels)`` per image or video frame of a media item: its own, else the run's."""
+        lo = item.get("min_pixels", self.min_pixels)
+        hi = item.get("max_pixels", self.kind_max[item["type"]] or self.max_pixels)
+        return lo, hi
+
+    @staticmethod
+    def _size(default: Any, lo: int | None, hi: int | None, scale: int = 1) -> dict | None:
+        if lo is None and hi is None:
             return None
-        lo = default["shortest_edge"] if self.min_pixels is None else self.min_pixels * scale
-        hi = default["longest_edge"] if self.max_pixels is None else self.max_pixels * scale
+        lo = default["shortest_edge"] if lo is None else lo * scale
+        hi = default["longest_edge"] if hi is None else hi * scale
         return {"shortest_edge": int(lo), "longest_edge": int(max(hi, lo))}
 
-    def _video_kwargs(self, num_frames: int) -> dict:
+    def _video_kwargs(self, item: dict, num_frames: int) -> dict:
         vp = self.processor.video_processor
         kwargs: dict[str, Any] = {}
         if getattr(vp, "cap_pixels_per_frame", False) is None:  # unset: keep the budget as given, no warning
             kwargs["cap_pixels_per_frame"] = False
-        size = self._size(vp.size, num_frames if self.family == "qwen3_vl" else 1)
+        size = self._size(vp.size, *self._budget(item), num_frames if self.family == "qwen3_vl" else 1)
         if size is not None:
             kwargs["size"] = size
         return kwargs
 
     # media -----------------------------------------------------------------------------------------------------
-    def _load(self, kind: str, path: Path) -> dict:
-        if kind == "image":
-            return {"image": load_image(path)}  # (H, W, 3) uint8
-        frames, ts, idx, native, n = load_video_indexed(path, fps=self.fps, max_frames=self.max_frames)
+    def _load(self, item: dict, index: int) -> dict:
+        if item["type"] == "image":
+            return {"item": item, "image": load_image(self._media_path(item["image"], index))}  # (H, W, 3) uint8
+        sampling = dict(fps=item.get("fps", self.fps), max_frames=item.get("max_frames", self.max_frames),
+                        nframes=item.get("nframes", self.nframes), max_pixels=self._budget(item)[1])  # fmt: skip
+        if "frames" in item:
+            loaded = load_frames([self._media_path(p, index) for p in item["frames"]], **sampling)
+        else:
+            loaded = load_video_indexed(self._media_path(item["video"], index), **sampling)
+        frames, ts, idx, native, n = loaded
         T = frames.shape[0]
         # seconds per temporal patch: temporal_patch_size x the mean interval of the sampled frames
         tps = int(self.processor.video_processor.temporal_patch_size)
@@ -161,7 +236,8 @@ class InstructDataset(Dataset):
             frames = np.concatenate([frames, np.repeat(frames[-1:], pad, axis=0)])
             idx = np.concatenate([idx, np.repeat(idx[-1:], pad)])
         meta = {"fps": native, "total_num_frames": int(n), "frames_indices": idx.tolist()}
-        return {"video": frames, "metadata": meta, "second_per_grid_t": tps * interval, "timestamps": ts}
+        return {"item": item, "video": frames, "metadata": meta, "second_per_grid_t": tps * interval,
+                "timestamps": ts}  # fmt: skip
 
     def _skip(self, err: MediaError) -> None:
         self.skipped[err.path] = str(err)
@@ -174,6 +250,20 @@ class InstructDataset(Dataset):
         warnings.warn(f"skipping a sample of {self.source}: {err} ({len(self.skipped)} files skipped so far, limit "
                       f"{self.max_skipped})", RuntimeWarning, stacklevel=3)  # fmt: skip
 
+    def _leave_out(self) -> None:
+        """Count a sample left out; stop when too large a share of the samples read were (module docstring)."""
+        self.left_out += 1
+        enough = self.reads >= min(16, len(self.samples))
+        if enough and self.left_out > self.max_skipped_fraction * self.reads:
+            raise ValueError(
+                f"{self.left_out} of the {self.reads} samples of {self.source} read in this process were left out, "
+                f"more than max_skipped_fraction={self.max_skipped_fraction}: {len(self.skipped)} media file(s) "
+                f"unreadable (e.g. {next(iter(self.skipped.values()), 'none')}), {len(self.dropped)} sample(s) longer "
+                f"than max_length={self.max_length}. Training on the rest would learn from almost nothing; fix the "
+                f"media or data.media_root ({self.media_root}), raise data.max_length, or raise "
+                "data.max_skipped_fraction"
+            )
+
     # text ------------------------------------------------------------------------------------------------------
     def _render(self, messages: list[dict], generation_prompt: bool) -> str:
         return self.processor.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt)
@@ -181,7 +271,7 @@ class InstructDataset(Dataset):
     def render(self, index: int) -> tuple[str, list[tuple[int, int]]]:
         """The rendered chat text of sample ``index`` and the ``[start, end)`` character span of every assistant
         turn in it (content + end-of-turn text)."""
-        messages = to_messages(self.samples[index])
+        messages = chat_messages(self.samples[index])
         full = self._render(messages, False)
         spans = []
         for k, message in enumerate(messages):
@@ -201,30 +291,32 @@ class InstructDataset(Dataset):
         kwargs: dict[str, Any] = dict(return_tensors="pt", add_special_tokens=first)
         if media is not None and "image" in media:
             kwargs["images"] = [media["image"]]
-            size = self._size(self.processor.image_processor.size)
+            size = self._size(self.processor.image_processor.size, *self._budget(media["item"]))
             if size is not None:
                 kwargs["images_kwargs"] = {"size": size}
         elif media is not None:
             kwargs.update(videos=[media["video"]], video_metadata=[media["metadata"]], do_sample_frames=False,
-                          videos_kwargs=self._video_kwargs(media["video"].shape[0]))  # fmt: skip
+                          videos_kwargs=self._video_kwargs(media["item"], media["video"].shape[0]))  # fmt: skip
         out = self.processor(text=[text], **kwargs)
         return {k: v[0] if k in ("input_ids", "mm_token_type_ids") else v for k, v in out.items()}
 
     def __getitem__(self, index: int) -> dict | None:
         if not 0 <= index < len(self.samples):
             raise IndexError(f"index {index} out of range for {len(self.samples)} samples")
-        kind, paths = sample_media(self.samples[index])
+        self.reads += 1
+        items = sample_media(self.samples[index])
         try:
-            media = [self._load(kind, self.media_root / p) for p in paths]
+            media = [self._load(item, index) for item in items]
         except MediaError as err:
             self._skip(err)
+            self._leave_out()
             return None
         full, spans = self.render(index)
-        token = self.tokens.get(kind or "", None)
-        found = full.count(token) if token else 0
-        if found != len(media):
-            raise ValueError(f"{self.source}: sample {index}: the rendered chat text holds {found} {token} tokens for "
-                             f"{len(media)} {kind} files; the chat template must write one per media item")  # fmt: skip
+        for kind, token in self.tokens.items():
+            found, want = full.count(token), sum(item["type"] == kind for item in items)
+            if found != want:
+                raise ValueError(f"{self.source}: sample {index}: the rendered chat text holds {found} {token} tokens "
+                                 f"for {want} {kind}(s); the chat template must write one per media item")  # fmt: skip
         # pieces: (text, is_assistant, media item or None); prompt text is cut right after each media token
         pieces: list[tuple[str, bool, dict | None]] = []
         bounds = [0] + [b for s in spans for b in s] + [len(full)]
@@ -234,7 +326,10 @@ class InstructDataset(Dataset):
             if j % 2:
                 pieces.append((text, True, None))
                 continue
-            while token and token in text:
+            while queue:
+                token = self.tokens[queue[0]["item"]["type"]]
+                if token not in text:
+                    break
                 cut = text.index(token) + len(token)
                 pieces.append((text[:cut], False, queue.pop(0)))
                 text = text[cut:]
@@ -264,6 +359,7 @@ class InstructDataset(Dataset):
         length = int(input_ids.numel())
         if self.max_length is not None and length > self.max_length:
             self.dropped[index] = length
+            self._leave_out()
             return None
         item = {"input_ids": input_ids, "labels": torch.cat(labels), "mm_token_type_ids": torch.cat(types)}
         item.update({k: torch.cat(v) for k, v in vision.items()})
