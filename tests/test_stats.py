@@ -154,3 +154,43 @@ def test_seeds_needed_rejects_bad_input_and_caps():
     with pytest.raises(ValueError, match="sd"):
         stats.seeds_needed(-1.0, 3.0)
     assert stats.seeds_needed(1e6, 1e-3, cap=1000) == 1000
+
+
+def _brute_sign_flip(xs, shift=0.0, alternative="two-sided"):
+    """Every sign vector enumerated one by one, the observed sum compared in exact rational arithmetic."""
+    import itertools
+    from fractions import Fraction
+
+    d = [Fraction(x) - Fraction(shift) for x in xs]
+    obs = sum(d)
+    hits = 0
+    for signs in itertools.product((1, -1), repeat=len(d)):
+        s = sum(si * di for si, di in zip(signs, d))
+        hits += {"two-sided": abs(s) >= abs(obs), "greater": s >= obs, "less": s <= obs}[alternative]
+    return hits / 2 ** len(d)
+
+
+@pytest.mark.parametrize("alternative", ["two-sided", "greater", "less"])
+@pytest.mark.parametrize("case", range(8))
+def test_sign_flip_p_matches_a_brute_force_enumeration(case, alternative):
+    rng = np.random.default_rng(case)
+    n = [1, 2, 5, 5, 7, 10, 11, 12][case]
+    if case % 2:  # ties and zeros: small integers, as per-seed differences of counts are
+        xs = rng.integers(-4, 5, size=n).astype(float)
+    else:
+        xs = np.round(rng.normal(1.0, 3.0, size=n), 3)
+    shift = 0.0 if case < 4 else 0.5
+    want = _brute_sign_flip(xs.tolist(), shift, alternative)
+    assert stats.sign_flip_p(xs, shift=shift, alternative=alternative) == pytest.approx(want, abs=1e-12)
+
+
+def test_sign_flip_p_smallest_values_and_errors():
+    assert stats.sign_flip_p([3.0, 1.0, 4.0, 1.5, 9.0]) == 2 / 32  # all of one sign: 2 of the 32 sign vectors
+    assert stats.sign_flip_p([3.0, 1.0, 4.0, 1.5, 9.0], alternative="greater") == 1 / 32
+    assert stats.sign_flip_p([3.0, 1.0, 4.0, 1.5, 9.0], alternative="less") == 1.0
+    assert stats.sign_flip_p([0.0, 0.0, 0.0]) == 1.0
+    assert stats.sign_flip_p(np.arange(1.0, 21.0)) == 2 / 2**20
+    with pytest.raises(ValueError, match="40"):
+        stats.sign_flip_p(np.ones(41))
+    with pytest.raises(ValueError, match="alternative"):
+        stats.sign_flip_p([1.0], alternative="both")
