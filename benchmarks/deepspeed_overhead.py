@@ -43,7 +43,8 @@ def main() -> None:
     from train.config import load_config
     from train.engine import cosine_schedule, fit, param_groups, seed_everything
     from train.tasks import Classifier
-    from train.vit import ViTConfig, build_datasets, build_model, collate
+    from models.vit import vit_from_config
+    from train.vit_setup import ViTConfig, build_datasets, collate
 
     W = args.window
     scratch = Path(tempfile.mkdtemp(prefix="ds_overhead_"))
@@ -55,7 +56,7 @@ def main() -> None:
 
     def build() -> Classifier:
         seed_everything(cfg.train.seed)  # as train/vit.py: the same initialisation for both loops
-        return Classifier(build_model(cfg, num_classes), label_smoothing=cfg.model.label_smoothing)
+        return Classifier(vit_from_config(cfg, num_classes), label_smoothing=cfg.model.label_smoothing)
 
     def harness() -> float:
         """samples/s of fit's second logged window."""

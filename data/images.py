@@ -270,7 +270,7 @@ class ImageFolder(ArrayImageDataset):
     order) when a split holds only some of them (e.g. ImageNet-HR next to an ImageNet train folder).
 
     A file that cannot be decoded is skipped like an undecodable video: ``ds[i]`` warns and returns
-    ``(None, label)`` (``train.vit.collate`` drops and counts it; a batch of such files only trains as a zero
+    ``(None, label)`` (``train.vit_setup.collate`` drops and counts it; a batch of such files only trains as a zero
     loss) and ``skipped`` maps each such file to its error.
     More than ``max_skipped`` distinct files raise ``ValueError``: a folder that broken needs fixing. The
     count is per process (each DataLoader worker keeps its own).

@@ -198,7 +198,7 @@ def evaluate_hf(
     id of the first sample's prompt, per axis) and ``logliks`` (every sample's option scores)."""
     from tqdm import tqdm
 
-    from common import pick_device
+    from runs import pick_device
     from long_video_report import DEFAULT_DEPTHS, summarize
     from stats import pack_bits
 

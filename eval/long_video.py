@@ -36,7 +36,7 @@ from typing import Any, Sequence
 
 import torch
 
-from common import pick_device
+from runs import pick_device
 from long_video_report import (  # noqa: F401
     DEFAULT_DEPTHS,
     REPORT_SCORINGS,
@@ -77,7 +77,7 @@ class VLMRun:
 
     path: Path
     name: str
-    cfg: Any  # train.vlm.VLMConfig
+    cfg: Any  # train.vlm_setup.VLMConfig
     tokenizer: Any
     model: Any  # models.vlm.VLM
 
@@ -111,7 +111,8 @@ def load_vlm_run(run_dir: str | Path, *, device: str | torch.device = "cpu") -> 
     from data.text import WordTokenizer
     from train.checkpoint import check_export
     from train.config import from_dict
-    from train.vlm import VLMConfig, build_model
+    from models.vlm import vlm_from_config
+    from train.vlm_setup import VLMConfig
 
     run_dir = Path(run_dir)
     problem = fine_tune_run(run_dir)
@@ -138,7 +139,7 @@ def load_vlm_run(run_dir: str | Path, *, device: str | torch.device = "cpu") -> 
     sections = {k: raw[k] for k in ("model", "data", "train", "deepspeed") if k in raw}
     cfg = from_dict(VLMConfig, sections, where=str(cfg_path))
     tokenizer = WordTokenizer(words)
-    model = build_model(cfg, tokenizer)
+    model = vlm_from_config(cfg, tokenizer)
     recorded = raw.get("position_options") or {}
     rebuilt = {k: v for k, v in model.position_options.items() if k != "second_per_grid_ts"}
     if recorded and yaml.safe_load(yaml.safe_dump(rebuilt)) != recorded:

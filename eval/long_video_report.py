@@ -17,7 +17,7 @@ from typing import Any, Sequence
 
 import torch
 
-from common import fmt, markdown_table, write_tables
+from report_tables import fmt, markdown_table, write_tables
 
 __all__ = ["TASKS", "REPORT_SCORINGS", "DEFAULT_DEPTHS", "summarize", "markdown", "heatmap", "write_report"]
 

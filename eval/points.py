@@ -31,7 +31,9 @@ from typing import Any, Sequence
 import torch
 from torch.utils.data import DataLoader, Subset
 
-from common import classification_metrics, fmt, load_run, markdown_table, pick_device, predict, write_tables
+from classification import classification_metrics, predict
+from report_tables import fmt, markdown_table, write_tables
+from runs import load_run, pick_device
 
 __all__ = ["GROUPINGS", "evaluate_points_run", "markdown", "write_report", "main"]
 
@@ -65,7 +67,7 @@ def evaluate_points_run(
 ) -> dict:
     """Metrics of one exported point-transformer run under each test rotation and point count (a dict)."""
     from data.points import point_count_protocol
-    from train.points import build_datasets, collate
+    from train.points_setup import build_datasets, collate
 
     if grouping not in GROUPINGS:
         raise ValueError(f"grouping must be one of {list(GROUPINGS)}, got {grouping!r}")

@@ -29,7 +29,7 @@ from typing import Any, Sequence
 
 from aggregate import evaluate_claims, kind, summarize_family
 from claims import CLAIMS, DESIGN, MARGINS
-from common import markdown_table, write_json
+from report_tables import markdown_table, write_json
 from plots import heat_grids, plot_claims, plot_points, plot_vit, plot_vlm, plot_vlm_heatmaps
 from protocols import FAMILIES, PROTOCOLS, VLM_CLAIM_RANGE, describe
 from sequential import next_look_runs

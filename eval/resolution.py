@@ -33,16 +33,9 @@ from typing import Any, Sequence
 import torch
 from torch.utils.data import DataLoader, Dataset, Subset
 
-from common import (
-    classification_metrics,
-    fmt,
-    group_accuracy,
-    load_run,
-    markdown_table,
-    pick_device,
-    predict,
-    write_tables,
-)
+from classification import classification_metrics, group_accuracy, predict
+from report_tables import fmt, markdown_table, write_tables
+from runs import load_run, pick_device
 
 __all__ = ["PROTOCOLS", "resolve_protocol", "test_dataset", "size_bins", "evaluate_run", "write_report", "main"]
 
@@ -90,13 +83,13 @@ def test_dataset(data, size: int, protocol: str, *, crop_ratio: float = 224 / 25
     """The test split of the run's ``data`` section at test side ``size`` under a resolved ``protocol``.
 
     Never the training-time validation set: that is the tail of the training split when ``data.holdout > 0``.
-    The test split is ``train.vit.build_datasets(data, split="test")``'s: the official test split of Fashion-MNIST /
+    The test split is ``train.vit_setup.build_datasets(data, split="test")``'s: the official test split of Fashion-MNIST /
     MNIST-5k / digits, the ``val/`` class folder, ``Shapes(split="test", num_samples=data.shapes_test)`` (read from
     the render cache when ``data.shapes_cache``); ``data.val_limit`` keeps its first images, as it always has.
     Checked against (``tests/test_vit_holdout.py``, ``tests/test_eval.py``): the test split's own images.
     """
     from data.transforms import eval_transform
-    from train.vit import build_datasets
+    from train.vit_setup import build_datasets
 
     if data.dataset == "folder":
         from data.images import ImageFolder
@@ -168,7 +161,7 @@ def evaluate_run(
     from vlpe.encodings.functional.scaling import resolution_scaling
 
     from data.transforms import LOOKHERE_RATIOS, eval_resolutions
-    from train.vit import collate
+    from train.vit_setup import collate
 
     device = pick_device(device if device is None else str(device))
     ratios = [float(r) for r in (LOOKHERE_RATIOS if ratios is None else ratios)]

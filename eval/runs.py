@@ -1,41 +1,23 @@
-"""Shared pieces of the evaluation scripts: loading exported runs, predictions, accuracy and calibration, tables.
+"""Loading exported runs: the backbone of a finished ``train/vit.py`` / ``train/points.py`` run, rebuilt on a device.
 
-A training run (``train/vit.py``, ``train/points.py``) leaves ``<run>/model.safetensors`` (the state dict of a
-``train.tasks.Classifier``, keys prefixed ``backbone.``) and ``<run>/config.yaml`` (the full run config plus
-``num_classes`` and ``script``). :func:`load_run` rebuilds the backbone from the config and loads the weights
-with ``safetensors`` (no pickles are ever unpickled); the config is read with ``yaml.safe_load``, validated
-by ``train.config.from_dict`` and compared with the model signature the export records in its metadata (an
-edited config is refused, naming the recorded and the current value).
-
-Calibration is the expected calibration error of Guo et al. (ICML 2017) with 15 equal-width confidence bins
-``(b/15, (b+1)/15]`` (the first bin also holds confidence 0): ``ECE = sum_b |B_b|/n * |acc(B_b) - conf(B_b)|``
-where ``conf`` is the top softmax probability.
+A training run leaves ``<run>/model.safetensors`` (the state dict of a ``train.tasks.Classifier``, keys prefixed
+``backbone.``) and ``<run>/config.yaml`` (the full run config plus ``num_classes`` and ``script``). :func:`load_run`
+rebuilds the backbone from the config (:func:`models.vit.vit_from_config`, :func:`models.points.points_from_config`)
+and loads the weights with ``safetensors`` (no pickles are ever unpickled); the config is read with
+``yaml.safe_load``, validated by ``train.config.from_dict`` and compared with the model signature the export records
+in its metadata (an edited config is refused, naming the recorded and the current value).
 """
 
 from __future__ import annotations
 
-import json
-import math
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterable, Sequence
+from typing import Any
 
 import torch
-import torch.nn.functional as F
-from torch import Tensor, nn
+from torch import nn
 
-__all__ = [
-    "write_tables",
-    "Run",
-    "load_run",
-    "pick_device",
-    "predict",
-    "expected_calibration_error",
-    "classification_metrics",
-    "group_accuracy",
-    "markdown_table",
-    "write_json",
-]
+__all__ = ["Run", "load_run", "pick_device"]
 
 SCRIPTS = ("vit", "points")
 
@@ -47,18 +29,22 @@ class Run:
     path: Path
     name: str
     script: str
-    cfg: Any  # train.vit.ViTConfig or train.points.PointsConfig
+    cfg: Any  # train.vit_setup.ViTConfig or train.points_setup.PointsConfig
     num_classes: int
     model: nn.Module
 
 
 def _script_parts(script: str):
     if script == "vit":
-        from train.vit import ViTConfig, build_model
-        return ViTConfig, build_model
+        from models.vit import vit_from_config
+        from train.vit_setup import ViTConfig
+
+        return ViTConfig, vit_from_config
     if script == "points":
-        from train.points import PointsConfig, build_model
-        return PointsConfig, build_model
+        from models.points import points_from_config
+        from train.points_setup import PointsConfig
+
+        return PointsConfig, points_from_config
     raise ValueError(f"script must be one of {list(SCRIPTS)}, got {script!r}")
 
 
@@ -113,109 +99,3 @@ def pick_device(name: str | None) -> torch.device:
     if name in (None, "auto"):
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     return torch.device(name)
-
-
-@torch.inference_mode()
-def predict(
-    model: nn.Module,
-    batches: Iterable,
-    device: torch.device,
-    *,
-    desc: str | None = None,
-    progress: bool = True,
-    bf16: bool = False,
-) -> tuple[Tensor, Tensor]:
-    """Logits ``(n, classes)`` float32 and labels ``(n,)`` on the CPU for ``(inputs, labels)`` batches."""
-    from tqdm import tqdm
-
-    from train.engine import move_to
-
-    logits, labels = [], []
-    total = len(batches) if hasattr(batches, "__len__") else None
-    for inputs, y in tqdm(batches, desc=desc, total=total, disable=not progress, leave=False, dynamic_ncols=True):
-        inputs = move_to(inputs, device)
-        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
-            out = model(inputs)  # (b, classes)
-        logits.append(out.float().cpu())
-        labels.append(y.cpu())
-    if not logits:
-        raise ValueError("no evaluation batches: the evaluation set is empty")
-    return torch.cat(logits), torch.cat(labels)
-
-
-def expected_calibration_error(probs: Tensor, labels: Tensor, *, bins: int = 15) -> float:
-    """ECE with ``bins`` equal-width bins over the top-class confidence of ``probs`` (n, classes)."""
-    if probs.dim() != 2 or labels.shape != probs.shape[:1]:
-        raise ValueError(
-            f"probs must be (n, classes) with labels (n,), got {tuple(probs.shape)} / {tuple(labels.shape)}"
-        )
-    if bins < 1:
-        raise ValueError(f"bins must be >= 1, got {bins}")
-    n = probs.shape[0]
-    if n == 0:
-        raise ValueError("expected_calibration_error needs at least one sample")
-    conf, pred = probs.double().max(dim=-1)  # (n,), (n,)
-    correct = (pred == labels.to(pred.device)).double()  # (n,)
-    edges = torch.arange(bins + 1, dtype=torch.float64, device=conf.device) / bins  # exactly b / bins
-    idx = torch.bucketize(conf, edges[1:-1], right=False)  # bin b holds edges[b] < conf <= edges[b+1]
-    gap = torch.bincount(idx, weights=correct, minlength=bins) - torch.bincount(idx, weights=conf, minlength=bins)
-    return float(gap.abs().sum() / n)
-
-
-def classification_metrics(logits: Tensor, labels: Tensor, *, bins: int = 15) -> dict[str, Any]:
-    """Top-1 accuracy, ECE (``bins`` bins), mean NLL, class-mean accuracy, the sample count and the per-item
-    outcomes (``outcomes``: packed bits, see :func:`stats.pack_bits`; what the benchmark's intervals resample)."""
-    from stats import pack_bits
-
-    logits, labels = logits.float(), labels.long()
-    correct = logits.argmax(-1) == labels  # (n,)
-    classes = labels.unique()
-    per_class = torch.stack([correct[labels == c].double().mean() for c in classes])
-    return {
-        "acc": float(correct.double().mean()),
-        "ece": expected_calibration_error(logits.softmax(-1), labels, bins=bins),
-        "nll": float(F.cross_entropy(logits, labels)),
-        "class_mean_acc": float(per_class.mean()),
-        "count": int(labels.numel()),
-        "outcomes": pack_bits(correct.numpy()),
-    }
-
-
-def group_accuracy(correct: Tensor, groups: Tensor, num_groups: int) -> list[float | None]:
-    """Accuracy within each group ``0..num_groups-1`` (None for an empty group)."""
-    count = torch.bincount(groups.long(), minlength=num_groups)[:num_groups]
-    hits = torch.bincount(groups.long(), weights=correct.double(), minlength=num_groups)[:num_groups]
-    return [float(h / c) if c > 0 else None for h, c in zip(hits, count)]
-
-
-def fmt(value: float | None, scale: float = 100.0, digits: int = 1) -> str:
-    """A table cell: ``value * scale`` with ``digits`` decimals, or an en dash for missing values."""
-    if value is None or (isinstance(value, float) and math.isnan(value)):
-        return "–"
-    return f"{value * scale:.{digits}f}"
-
-
-def markdown_table(header: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
-    """A GitHub markdown table (first column left-aligned, the others right-aligned)."""
-    lines = ["| " + " | ".join(str(h) for h in header) + " |",
-             "|" + "|".join([":---"] + ["---:"] * (len(header) - 1)) + "|"]
-    lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
-    return "\n".join(lines) + "\n"
-
-
-def write_json(path: Path, obj: Any) -> Path:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(obj, indent=2) + "\n")
-    return path
-
-
-def write_tables(evals: Sequence[dict], out_dir: str | Path, name: str, markdown: Callable[[Sequence[dict]], str]
-                 ) -> dict[str, Path]:  # fmt: skip
-    """``<name>.json`` (``{"runs": evals}``) and ``<name>.md`` (``markdown(evals)``) under ``out_dir``: the part
-    of every evaluation script's report that is not a figure."""
-    if not evals:
-        raise ValueError("write_report needs at least one evaluated run")
-    out = Path(out_dir)
-    paths = {"json": write_json(out / f"{name}.json", {"runs": list(evals)}), "md": out / f"{name}.md"}
-    paths["md"].write_text(markdown(evals))
-    return paths

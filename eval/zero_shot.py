@@ -35,7 +35,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from common import markdown_table, write_json
+from report_tables import markdown_table, write_json
 
 __all__ = ["ZeroShotConfig", "TRAIN_TEMPLATES", "TEST_TEMPLATES", "train_clip", "zero_shot_accuracy", "run", "main"]
 

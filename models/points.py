@@ -23,7 +23,7 @@ from vlpe.tokenizers import PointTokenizer
 from .blocks import Encoder, readout
 from .hub import HubMixin
 
-__all__ = ["PointTransformer"]
+__all__ = ["PointTransformer", "points_from_config"]
 
 
 class PointTransformer(nn.Module, HubMixin):
@@ -95,3 +95,30 @@ class PointTransformer(nn.Module, HubMixin):
         x, pos = self.tokenizer(xyz, valid=valid)  # (B, G', C)
         x = self.encoder(x, pos)
         return self.head(readout(x, pos, self.readout))
+
+
+def points_from_config(cfg: Any, num_classes: int) -> PointTransformer:
+    """The :class:`PointTransformer` a point-transformer run's config describes.
+
+    Args:
+        cfg: A :class:`train.points_setup.PointsConfig` (its ``model`` section).
+        num_classes: Classes of the head.
+
+    Returns:
+        The model, initialised.
+    """
+    m = cfg.model
+    return PointTransformer(
+        num_classes=num_classes,
+        embed_dim=m.embed_dim,
+        depth=m.depth,
+        num_heads=m.num_heads,
+        num_groups=m.num_groups,
+        group_size=m.group_size,
+        local=m.local,
+        encoding=m.encoding,
+        encoding_options=m.encoding_options,
+        readout=m.readout,
+        drop_path_rate=m.drop_path_rate,
+        backend=m.backend,
+    )

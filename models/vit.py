@@ -45,7 +45,7 @@ from .vit_timm import (  # noqa: F401  (TIMM_SIZES, default_cfgs and timm_name: 
     timm_name,
 )
 
-__all__ = ["ViT", "PRESETS", "vit", "fits", "grid_encodings", "timm_name", "register_timm"]
+__all__ = ["ViT", "PRESETS", "vit", "vit_from_config", "fits", "grid_encodings", "timm_name", "register_timm"]
 
 PRESETS: dict[str, dict[str, int]] = {
     "tiny": dict(embed_dim=192, depth=12, num_heads=3),
@@ -335,6 +335,37 @@ def vit(preset: str = "small", **kwargs: Any) -> ViT:
     if preset not in PRESETS:
         raise ValueError(f"unknown ViT preset {preset!r}; presets: {', '.join(PRESETS)}")
     return ViT(**{**PRESETS[preset], **kwargs})
+
+
+def vit_from_config(cfg: Any, num_classes: int) -> ViT:
+    """The :class:`ViT` a ViT run's config describes.
+
+    Args:
+        cfg: A :class:`train.vit_setup.ViTConfig` (its ``model`` section, and ``data.img_size`` / ``data.channels``).
+        num_classes: Classes of the head.
+
+    Returns:
+        The model, initialised.
+    """
+    m = cfg.model
+    sizes = dict(embed_dim=m.embed_dim, depth=m.depth, num_heads=m.num_heads)
+    sizes = {k: v for k, v in sizes.items() if v is not None}
+    return vit(
+        m.preset,
+        img_size=cfg.data.img_size,
+        patch_size=m.patch_size,
+        in_chans=cfg.data.channels,
+        num_classes=num_classes,
+        mlp_ratio=m.mlp_ratio,
+        encoding=m.encoding,
+        encoding_options=m.encoding_options,
+        readout=m.readout,
+        num_registers=m.num_registers,
+        drop_path_rate=m.drop_path_rate,
+        layer_scale=m.layer_scale,
+        backend=m.backend,
+        **sizes,
+    )
 
 
 def fits(preset: str, encoding: str) -> bool:

@@ -49,6 +49,7 @@ __all__ = [
     "VLM",
     "VLMCollate",
     "vlm",
+    "vlm_from_config",
     "pack_position_ids",
     "answer_accuracy",
 ]
@@ -344,6 +345,44 @@ def vlm(preset: str = "tiny", *, tokenizer: Any, variant: Any = "mrope_i", **ove
     if preset not in PRESETS:
         raise ValueError(f"unknown VLM preset {preset!r}; presets: {', '.join(PRESETS)}")
     return VLM(tokenizer=tokenizer, variant=variant, **{**PRESETS[preset], **overrides})
+
+
+def vlm_from_config(cfg: Any, tokenizer: Any) -> VLM:
+    """The :class:`VLM` a small-VLM run's config describes.
+
+    Args:
+        cfg: A :class:`train.vlm_setup.VLMConfig` (its ``model`` section).
+        tokenizer: The run's word tokenizer (:func:`train.vlm_setup.build_tokenizer` of its data, or the words an
+            export recorded).
+
+    Returns:
+        The model, initialised.
+
+    Raises:
+        ValueError: An unknown preset, variant or option.
+    """
+    m = cfg.model
+    sizes = dict(
+        hidden_size=m.hidden_size, num_layers=m.num_layers, num_heads=m.num_heads, num_kv_heads=m.num_kv_heads,
+        intermediate_size=m.intermediate_size, vision_dim=m.vision_dim, vision_depth=m.vision_depth,
+        vision_heads=m.vision_heads,
+    )  # fmt: skip
+    return vlm(
+        m.preset,
+        tokenizer=tokenizer,
+        variant=m.variant,
+        variant_options=m.variant_options,
+        rope_theta=m.rope_theta,
+        initializer_range=m.initializer_range,
+        vision_encoding=m.vision_encoding,
+        vision_encoding_options=m.vision_encoding_options,
+        vision_attention=m.vision_attention,
+        patch_size=m.patch_size,
+        temporal_patch_size=m.temporal_patch_size,
+        merge_size=m.merge_size,
+        attn_implementation=m.attn_implementation,
+        **{k: v for k, v in sizes.items() if v is not None},
+    )
 
 
 # ----------------------------------------------------------------------------------------------------------------

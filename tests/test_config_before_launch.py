@@ -18,7 +18,7 @@ import torch.distributed
 
 from train.cli import parse
 from train.config import ConfigError
-from train.points import PointsConfig
+from train.points_setup import PointsConfig
 from train.points import main as points_main
 
 ROOT = Path(__file__).resolve().parents[1]

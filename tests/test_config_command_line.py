@@ -14,7 +14,7 @@ import pytest
 
 from train.cli import parse
 from train.config import ConfigError, load_config
-from train.vit import ViTConfig
+from train.vit_setup import ViTConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -18,9 +18,10 @@ import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
 
-import common  # noqa: E402
+import classification  # noqa: E402
 import points as eval_points  # noqa: E402
 import resolution  # noqa: E402
+import runs  # noqa: E402
 
 from train.config import from_dict, to_dict  # noqa: E402
 from train.engine import export_weights  # noqa: E402
@@ -34,9 +35,11 @@ needs_fashion = pytest.mark.skipif(not FASHION.exists(), reason="needs Debian da
 def export_run(out_dir: Path, script: str, raw: dict) -> Path:
     """A run folder as train/engine.py leaves it, for an untrained model built from ``raw``."""
     if script == "vit":
-        from train.vit import ViTConfig as Cfg, build_datasets, build_model
+        from models.vit import vit_from_config as build_model
+        from train.vit_setup import ViTConfig as Cfg, build_datasets
     else:
-        from train.points import PointsConfig as Cfg, build_datasets, build_model
+        from models.points import points_from_config as build_model
+        from train.points_setup import PointsConfig as Cfg, build_datasets
     cfg = from_dict(Cfg, raw)
     if script == "vit":
         num_classes = build_datasets(cfg.data)[2]
@@ -50,13 +53,15 @@ def export_run(out_dir: Path, script: str, raw: dict) -> Path:
 
 
 def load_by_hand(run_dir: Path, script: str):
-    """Backbone and config loaded without eval/common.py (safetensors + the training script's builders)."""
+    """Backbone and config loaded without eval/runs.py (safetensors + the training script's builders)."""
     from safetensors.torch import load_file
 
     if script == "vit":
-        from train.vit import ViTConfig as Cfg, build_model
+        from models.vit import vit_from_config as build_model
+        from train.vit_setup import ViTConfig as Cfg
     else:
-        from train.points import PointsConfig as Cfg, build_model
+        from models.points import points_from_config as build_model
+        from train.points_setup import PointsConfig as Cfg
     raw = yaml.safe_load((run_dir / "config.yaml").read_text())
     num_classes = raw.pop("num_classes")
     raw.pop("script")
@@ -115,15 +120,15 @@ def test_ece_matches_reference_loop():
     guess = torch.randint(0, 7, (600,), generator=g)
     labels = torch.where(torch.rand(600, generator=g) < 0.6, logits.argmax(-1), guess)  # right about 2/3 of the time
     probs = logits.softmax(-1)
-    assert common.expected_calibration_error(probs, labels) == pytest.approx(ece_reference(probs, labels), abs=1e-12)
+    assert classification.expected_calibration_error(probs, labels) == pytest.approx(ece_reference(probs, labels), abs=1e-12)
     for bins in (1, 4, 10):
-        got = common.expected_calibration_error(probs, labels, bins=bins)
+        got = classification.expected_calibration_error(probs, labels, bins=bins)
         assert got == pytest.approx(ece_reference(probs, labels, bins), abs=1e-12)
     # confidences exactly on bin edges go to the lower bin, as in the reference
     edge = torch.tensor([b / 15 for b in range(8, 16)], dtype=torch.float64)
     probs = torch.stack([edge, 1 - edge], -1)
     labels = torch.tensor([0, 1, 0, 0, 1, 0, 1, 0])
-    assert common.expected_calibration_error(probs, labels) == pytest.approx(ece_reference(probs, labels), abs=1e-12)
+    assert classification.expected_calibration_error(probs, labels) == pytest.approx(ece_reference(probs, labels), abs=1e-12)
 
 
 def test_ece_hand_cases():
@@ -133,37 +138,37 @@ def test_ece_hand_cases():
         probs += [[conf, 1 - conf]] * n
         labels += [0] * right + [1] * (n - right)
     probs, labels = torch.tensor(probs, dtype=torch.float64), torch.tensor(labels)
-    assert common.expected_calibration_error(probs, labels) < 1e-12
-    metrics = common.classification_metrics(probs.log().float(), labels)  # through the softmax of logits
+    assert classification.expected_calibration_error(probs, labels) < 1e-12
+    metrics = classification.classification_metrics(probs.log().float(), labels)  # through the softmax of logits
     assert metrics["ece"] < 1e-6
     assert metrics["acc"] == pytest.approx(55 / 70)
     # all wrong at confidence 0.9: ECE = 0.9; all right at 0.9: ECE = 0.1
     p = torch.tensor([[0.9, 0.1]] * 8, dtype=torch.float64)
-    assert common.expected_calibration_error(p, torch.ones(8, dtype=torch.long)) == pytest.approx(0.9)
-    assert common.expected_calibration_error(p, torch.zeros(8, dtype=torch.long)) == pytest.approx(0.1)
+    assert classification.expected_calibration_error(p, torch.ones(8, dtype=torch.long)) == pytest.approx(0.9)
+    assert classification.expected_calibration_error(p, torch.zeros(8, dtype=torch.long)) == pytest.approx(0.1)
     with pytest.raises(ValueError):
-        common.expected_calibration_error(p, torch.zeros(3, dtype=torch.long))
+        classification.expected_calibration_error(p, torch.zeros(3, dtype=torch.long))
 
 
 def test_group_accuracy_and_class_mean():
     correct = torch.tensor([1, 0, 1, 1, 0, 1], dtype=torch.bool)
     groups = torch.tensor([0, 0, 1, 1, 1, 3])
-    assert common.group_accuracy(correct, groups, 4) == [0.5, pytest.approx(2 / 3), None, 1.0]
+    assert classification.group_accuracy(correct, groups, 4) == [0.5, pytest.approx(2 / 3), None, 1.0]
     logits = torch.tensor([[2.0, 0.0], [2.0, 0.0], [2.0, 0.0], [0.0, 2.0]])
-    m = common.classification_metrics(logits, torch.tensor([0, 0, 1, 1]))
+    m = classification.classification_metrics(logits, torch.tensor([0, 0, 1, 1]))
     assert m["acc"] == 0.75 and m["class_mean_acc"] == 0.75
-    m = common.classification_metrics(logits, torch.tensor([0, 0, 0, 1]))
+    m = classification.classification_metrics(logits, torch.tensor([0, 0, 0, 1]))
     assert m["acc"] == 1.0 and m["count"] == 4
 
 
 # --------------------------------------------------------------------------- loading
 def test_load_run_checks(vit_run, tmp_path):
-    run = common.load_run(vit_run, script="vit")
+    run = runs.load_run(vit_run, script="vit")
     assert run.num_classes == 10 and run.cfg.model.encoding == "rope" and not run.model.training
     with pytest.raises(ValueError, match="train/vit.py"):
-        common.load_run(vit_run, script="points")
+        runs.load_run(vit_run, script="points")
     with pytest.raises(ValueError, match="config.yaml"):
-        common.load_run(tmp_path, script="vit")
+        runs.load_run(tmp_path, script="vit")
     bad = tmp_path / "bad"
     bad.mkdir()
     (bad / "model.safetensors").write_bytes((vit_run / "model.safetensors").read_bytes())
@@ -171,12 +176,12 @@ def test_load_run_checks(vit_run, tmp_path):
     raw["model"]["embed_dim"] = 32  # weights no longer fit
     (bad / "config.yaml").write_text(yaml.safe_dump(raw))
     with pytest.raises(ValueError, match="does not match"):
-        common.load_run(bad, script="vit")
+        runs.load_run(bad, script="vit")
     raw["model"]["embed_dim"] = None
     raw["model"]["layer_scale"] = 0.1  # LayerScale parameters the export lacks
     (bad / "config.yaml").write_text(yaml.safe_dump(raw))
     with pytest.raises(ValueError, match="missing"):
-        common.load_run(bad, script="vit")
+        runs.load_run(bad, script="vit")
 
 
 # --------------------------------------------------------------------------- resolution
@@ -201,7 +206,7 @@ def test_resolution_report_files(vit_run, tmp_path):
 
 @needs_fashion
 def test_training_size_reproduces_direct_accuracy(vit_run):
-    from train.vit import build_datasets
+    from train.vit_setup import build_datasets
 
     ev = resolution.evaluate_run(vit_run, [1.0], device="cpu", batch_size=16, progress=False)
     cfg, model = load_by_hand(vit_run, "vit")
@@ -218,7 +223,7 @@ def test_training_size_reproduces_direct_accuracy(vit_run):
 
 @needs_fashion
 def test_protocol_choice_and_crop(vit_run):
-    run = common.load_run(vit_run, script="vit")
+    run = runs.load_run(vit_run, script="vit")
     assert resolution.resolve_protocol("fashion_mnist", "auto") == "resize"
     assert resolution.resolve_protocol("shapes", "auto") == "render"
     assert resolution.resolve_protocol("folder", "auto") == "crop"
@@ -247,7 +252,7 @@ def test_shapes_rerendered_and_size_quintiles(tmp_path):
         weighted = sum(a * int((bins == q).sum()) for q, a in enumerate(per_bin) if a is not None)
         assert weighted / 30 == pytest.approx(r["acc"])
     # at 2x the samples are drawn again at 32 px (true detail), not the 16 px render upsampled
-    cfg = common.load_run(run_dir, script="vit").cfg
+    cfg = runs.load_run(run_dir, script="vit").cfg
     rendered = resolution.test_dataset(cfg.data, 32, "render")[0][0]
     upsampled = resolution.test_dataset(cfg.data, 32, "resize")[0][0]
     assert rendered.shape == upsampled.shape == (3, 32, 32)
@@ -271,7 +276,7 @@ def test_points_report(points_run, tmp_path):
 
 
 def test_points_train_like_reproduces_direct_accuracy(points_run):
-    from train.points import build_datasets, collate
+    from train.points_setup import build_datasets, collate
 
     ev = eval_points.evaluate_points_run(points_run, rotations=["z"], factors=[4], grouping="extent",
                                          device="cpu", progress=False)
@@ -283,7 +288,7 @@ def test_points_train_like_reproduces_direct_accuracy(points_run):
     train_like, more = ev["results"]
     assert train_like["count"] == len(val) and train_like["acc"] == pytest.approx(acc, abs=1e-12)
     assert (more["points"], more["groups"], more["group_size"]) == (256, 8, 32)  # extent: 4x neighbours
-    run = common.load_run(points_run, script="points")
+    run = runs.load_run(points_run, script="points")
     assert (run.model.tokenizer.num_groups, run.model.tokenizer.group_size) == (8, 8)
     with pytest.raises(ValueError, match="grouping"):
         eval_points.evaluate_points_run(points_run, grouping="bigger", progress=False)

@@ -170,7 +170,7 @@ def test_freeze_stops_exactly_the_named_parts(tiny_qwen_vl):
 
 
 def test_config_refuses_keys_of_the_other_kind_of_run(tmp_path):
-    from train.vlm import VLMConfig
+    from train.vlm_setup import VLMConfig
 
     ok = load_config(VLMConfig, "configs/hf/qwen2_vl.yaml", [f"model.hf_model={tmp_path}", "data.annotations=a.json"])
     assert ok.train.zero_stage == 3 and ok.train.freeze == ["vision"] and ok.model.variant == "mrope"
@@ -193,7 +193,7 @@ def test_the_resume_record_follows_the_folder_and_the_data(vniah_set, tiny_qwen_
     import shutil
 
     from train.finetune import source_record
-    from train.vlm import VLMConfig
+    from train.vlm_setup import VLMConfig
 
     folder = tiny_qwen_vl("qwen2_vl")
     copy = shutil.copytree(folder, tmp_path / "copy")
@@ -258,7 +258,7 @@ def test_activation_checkpointing_gives_the_same_gradients(variant, vniah_set, t
 
 def test_load_model_refuses_what_cannot_train_here(tiny_qwen_vl, tmp_path):
     from train.finetune import load_model
-    from train.vlm import VLMConfig
+    from train.vlm_setup import VLMConfig
 
     folder = tiny_qwen_vl("qwen2_vl")
     base = [f"model.hf_model={folder}", "data.annotations=a.json", "train.zero_stage=0"]

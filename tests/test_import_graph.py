@@ -3,7 +3,7 @@
 Checked against: the source of ``vlpe/``, ``models/``, ``data/``, ``train/`` and ``eval/`` as ``ast`` reads it
 (nothing is imported). Every ``import`` and ``from ... import`` counts, at module level and inside functions,
 classes and ``if TYPE_CHECKING:`` blocks alike; relative imports are resolved against the importing module's
-package, and ``eval/``'s bare-name imports (``import common``, as its scripts run with ``eval/`` on the path)
+package, and ``eval/``'s bare-name imports (``import runs``, as its scripts run with ``eval/`` on the path)
 resolve to the ``eval`` modules. An edge goes to the module a statement names: ``from pkg import name`` reaches
 ``pkg.name`` where that is a module and ``pkg`` otherwise, and importing ``a.b.c`` is not counted as importing ``a``
 and ``a.b`` (their ``__init__`` runs first, but a package's ``__init__`` importing its own submodules is the normal
@@ -158,7 +158,7 @@ def test_the_graph_sees_every_tree_and_resolves_relative_and_bare_imports():
     assert {name.split(".")[0] for name in graph} == set(TREES)
     assert "vlpe.encodings.base" in graph["vlpe.encodings.rope"]  # from .base import ...
     assert {"vlpe.encodings", "vlpe.testing"} <= graph["vlpe"]  # from . import encodings / testing
-    assert "eval.common" in graph["eval.long_video"]  # from common import pick_device
+    assert "eval.runs" in graph["eval.long_video"]  # from runs import pick_device
     assert "eval.long_video_report" in graph["eval.hf_long_video"]  # inside evaluate_hf
     assert "models.vit_timm" in graph["models.vit"] and "models.vit" not in graph["models.vit_timm"]
 
@@ -179,6 +179,20 @@ def test_no_import_cycles():
     cycles = strongly_connected(graph)
     report = "\n".join(f"{' <-> '.join(c)}\n    e.g. {' -> '.join(a_cycle(c, graph))}" for c in cycles)
     assert not cycles, f"{len(cycles)} import cycle(s):\n{report}"
+
+
+TRAINING_SCRIPTS = ("train.vit", "train.vlm", "train.points")
+
+
+def test_eval_imports_no_training_script():
+    """The evaluations rebuild a run from what it is made of (``train/*_setup.py``: config, datasets, batches) and
+    the model builders of ``models/``; a training script (an entry point) is imported by none of them."""
+    graph = import_graph()
+    assert set(TRAINING_SCRIPTS) <= set(graph)
+    assert "train.vit_setup" in graph["eval.resolution"] and "models.vit" in graph["eval.runs"]
+    found = {name: sorted(graph[name] & set(TRAINING_SCRIPTS)) for name in graph if name.startswith("eval.")}
+    found = {name: scripts for name, scripts in found.items() if scripts}
+    assert not found, f"eval/ imports training scripts: {found}"
 
 
 #: modules of ``vlpe/`` allowed to import a module outside ``vlpe/`` (the harness: models, data, train, eval), each

@@ -67,7 +67,7 @@ def logits(model, inputs):
 def adapted(model, variant, order, *, dora=False):
     """A copy of ``model`` with the fine-tune's adapters (random, seeded) and the patch, in ``order``."""
     from train.finetune import _lora
-    from train.vlm import LoraSection
+    from train.vlm_setup import LoraSection
 
     model = copy.deepcopy(model)
     if order == "patch_first":
@@ -156,7 +156,7 @@ def _part(name: str) -> str:
 @pytest.mark.parametrize("family,dora", [("qwen2_vl", False), ("qwen3_vl", True)])
 def test_lora_trains_the_vision_tower_and_mergers_unless_frozen(family, dora, tiny_qwen_vl):
     from train.finetune import load_model
-    from train.vlm import VLMConfig
+    from train.vlm_setup import VLMConfig
 
     folder = tiny_qwen_vl(family)
     _, inputs = source(family, tiny_qwen_vl)
@@ -190,7 +190,7 @@ def test_lora_refusals_come_when_the_config_is_read(tiny_qwen_vl, monkeypatch, t
     import torch.distributed
     from transformers import AutoModelForImageTextToText
 
-    from train.vlm import VLMConfig
+    from train.vlm_setup import VLMConfig
     from train.vlm import main as vlm_main
 
     def started(*args, **kwargs):

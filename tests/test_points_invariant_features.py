@@ -195,7 +195,8 @@ def test_local_is_validated_and_shown():
 # --------------------------------------------------------------------------- configs, hub and training
 def test_config_field_reaches_the_model_and_is_checked():
     from train.config import ConfigError, load_config
-    from train.points import PointsConfig, build_model
+    from models.points import points_from_config as build_model
+    from train.points_setup import PointsConfig
     from pathlib import Path
 
     root = Path(__file__).resolve().parents[1]
@@ -230,7 +231,7 @@ def test_invariant_config_trains_through_the_entry_point(tmp_path):
     from pathlib import Path
 
     import train.points
-    from eval.common import load_run
+    from eval.runs import load_run
 
     root = Path(__file__).resolve().parents[1]
     out = tmp_path / "run"

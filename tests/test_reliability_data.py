@@ -48,7 +48,7 @@ def test_too_many_corrupt_images_stop_the_run(tmp_path):
 
 
 def test_the_vit_collate_drops_skipped_images(tmp_path):
-    from train.vit import collate
+    from train.vit_setup import collate
 
     ds = ImageFolder(_folder(tmp_path, corrupt=1), size=8)
     with pytest.warns(RuntimeWarning):

@@ -23,7 +23,7 @@ from train.checkpoint import CheckpointError, checkpoint_problem, model_signatur
 from train.cli import main_guard, parse
 from train.config import ConfigError, load_config, to_dict
 from train.engine import TrainSection, deepspeed_config
-from train.vit import ViTConfig
+from train.vit_setup import ViTConfig
 
 CONFIG = ROOT / "configs" / "vit_rope.yaml"
 CPU = torch.device("cpu")

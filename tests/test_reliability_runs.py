@@ -4,7 +4,7 @@ counted instead of killing the run, and a tampered export (its ``vlpe.model`` me
 removed, a checkpoint's ``model.json`` not a mapping, a damaged header) is an error naming the file.
 
 Checked against ``train/vit.py`` launches (``tests/test_train.py``'s commands), ``train.lock``'s lock file as another
-process holds it, ``eval.common.load_run`` (what the evaluations call) and ``train.checkpoint.check_export`` on
+process holds it, ``eval.runs.load_run`` (what the evaluations call) and ``train.checkpoint.check_export`` on
 exports written with ``train.engine.export_weights`` the way ``train.engine.fit`` writes them.
 """
 
@@ -97,7 +97,7 @@ def test_a_child_forked_by_the_holder_does_not_keep_the_lock_after_kill_9(tmp_pa
 
 @pytest.mark.slow
 def test_a_second_launch_on_a_running_out_dir_is_refused_and_resume_after_kill_9_works(tmp_path):
-    from eval.common import load_run
+    from eval.runs import load_run
 
     out = tmp_path / "run"
     log = (tmp_path / "first.log").open("w")
@@ -186,7 +186,7 @@ def test_micro_batches_of_only_corrupt_images_are_skipped_and_counted(tmp_path):
 def test_the_vit_collate_counts_what_it_drops_and_stands_in_for_an_empty_batch():
     from data.collate import num_skipped
     from train.tasks import Classifier, evaluate_classification
-    from train.vit import collate
+    from train.vit_setup import collate
 
     img = torch.ones(3, 8, 8)
     batch = collate([(img, 0), (None, 1), (img, 1)])
@@ -215,7 +215,8 @@ def _export(run: Path, *, signed: bool = True, checkpoint: bool = True) -> Path:
     from train.config import from_dict, to_dict
     from train.engine import export_weights
     from train.tasks import Classifier
-    from train.vit import ViTConfig, build_model
+    from models.vit import vit_from_config as build_model
+    from train.vit_setup import ViTConfig
 
     cfg = from_dict(ViTConfig, VIT_CONFIG)
     config = {**to_dict(cfg), "num_classes": 10, "script": "vit"}
@@ -274,7 +275,7 @@ def test_a_checkpoint_signature_that_is_not_a_mapping_is_an_error_naming_it(tmp_
 
 
 def test_an_edited_config_beside_an_export_stripped_of_its_metadata_is_refused(tmp_path):
-    from eval.common import load_run
+    from eval.runs import load_run
 
     run = _export(tmp_path / "run")
     assert load_run(run, script="vit").cfg.model.encoding == "rope"
@@ -297,7 +298,7 @@ def test_an_edited_config_beside_an_export_stripped_of_its_metadata_is_refused(t
 
 
 def test_an_export_from_before_signatures_loads_with_a_warning_and_can_be_signed(tmp_path):
-    from eval.common import load_run
+    from eval.runs import load_run
     from train.checkpoint import sign_export
 
     run = _export(tmp_path / "run", signed=False)

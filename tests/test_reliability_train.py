@@ -102,7 +102,7 @@ def test_resume_refuses_a_changed_model(finished, tmp_path):
 
 @pytest.mark.slow
 def test_eval_refuses_a_run_whose_model_config_was_edited(finished, tmp_path):
-    from eval.common import load_run
+    from eval.runs import load_run
 
     out = _copy(finished, tmp_path)
     assert load_run(out, script="vit").cfg.model.encoding == "rope"
@@ -129,7 +129,7 @@ def test_metrics_log_each_step_once_after_a_resume(finished, tmp_path):
 
 # --------------------------------------------------------------------------- 7. mistakes are errors
 def test_zero_validation_batches_or_images_are_config_errors():
-    from train.vit import ViTConfig, build_datasets
+    from train.vit_setup import ViTConfig, build_datasets
 
     with pytest.raises(ConfigError, match="val_batches"):
         TrainSection(val_batches=0)

@@ -192,7 +192,7 @@ def test_two_processes_creating_the_same_cache_both_get_valid_data(cache, tmp_pa
 def test_build_datasets_and_evaluation_read_the_cache(cache, monkeypatch):
     import resolution  # eval/resolution.py
 
-    from train.vit import DataSection, build_datasets
+    from train.vit_setup import DataSection, build_datasets
 
     data = DataSection(dataset="shapes", channels=3, img_size=28, shapes_train=N, shapes_val=N, shapes_test=N,
                        val_limit=None, shapes_cache=True)  # fmt: skip

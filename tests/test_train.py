@@ -23,8 +23,10 @@ ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
 
 # --------------------------------------------------------------------------- configs
 def _config_classes():
-    from train.points import PointsConfig, build_model as build_points
-    from train.vit import ViTConfig, build_model as build_vit
+    from models.points import points_from_config as build_points
+    from train.points_setup import PointsConfig
+    from models.vit import vit_from_config as build_vit
+    from train.vit_setup import ViTConfig
 
     return {"vit_": (ViTConfig, build_vit), "points_": (PointsConfig, build_points)}
 
@@ -44,7 +46,7 @@ def test_every_config_loads_and_builds_its_model(path):
 
 
 def test_config_typos_and_types_are_errors_listing_valid_keys():
-    from train.vit import ViTConfig
+    from train.vit_setup import ViTConfig
 
     with pytest.raises(ConfigError, match=r"unknown key 'stepz' \(did you mean 'steps'\?\); valid keys: steps"):
         load_config(ViTConfig, ROOT / "configs/vit_rope.yaml", ["train.stepz=3"])

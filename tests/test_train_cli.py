@@ -13,9 +13,9 @@ import torch
 from train.cli import parse
 from train.config import ConfigError
 from train.engine import TrainSection, deepspeed_config
-from train.points import PointsConfig
-from train.vit import ViTConfig
-from train.vlm import VLMConfig
+from train.points_setup import PointsConfig
+from train.vit_setup import ViTConfig
+from train.vlm_setup import VLMConfig
 
 SCRIPTS = {"vit": ViTConfig, "vlm": VLMConfig, "points": PointsConfig}
 CONFIG = "configs/vit_rope.yaml"

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from train.config import ConfigError, from_dict
-from train.vlm import VLMConfig, build_datasets
+from train.vlm_setup import VLMConfig, build_datasets
 
 
 def _cfg(**data):

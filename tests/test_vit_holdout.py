@@ -23,7 +23,7 @@ import resolution  # eval/resolution.py (eval/ is on the test path)
 from data import images as imgs
 from data.shapes import Shapes
 from train.config import ConfigError, to_dict
-from train.vit import DataSection, ViTConfig, build_datasets
+from train.vit_setup import DataSection, ViTConfig, build_datasets
 
 FASHION = Path("/usr/share/datasets/fashion-mnist/t10k-images-idx3-ubyte.gz")
 needs_fashion = pytest.mark.skipif(not FASHION.exists(), reason="needs Debian dataset-fashion-mnist")
@@ -201,7 +201,7 @@ def _export_run(out_dir: Path, data: DataSection) -> Path:
     """A run folder as the training engine exports it (untrained weights)."""
     from train.engine import export_weights
     from train.tasks import Classifier
-    from train.vit import build_model
+    from models.vit import vit_from_config as build_model
 
     cfg = ViTConfig(data=data)
     cfg.model.preset, cfg.model.patch_size = "nano", 4

@@ -288,14 +288,14 @@ def test_builder_errors(tok):
 
 def _load(path: Path):
     from train.config import load_config
-    from train.vlm import VLMConfig
+    from train.vlm_setup import VLMConfig
 
     return load_config(VLMConfig, path)
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_variant_config_loads_and_builds(variant, tok):
-    from train.vlm import build_model
+    from models.vlm import vlm_from_config as build_model
 
     cfg = _load(ROOT / "configs" / f"{variant}.yaml")
     assert cfg.model.variant == variant
@@ -313,7 +313,7 @@ def test_variant_config_loads_and_builds(variant, tok):
 
 def test_config_typo_is_an_error():
     from train.config import ConfigError, load_config
-    from train.vlm import VLMConfig
+    from train.vlm_setup import VLMConfig
 
     with pytest.raises(ConfigError, match="variant"):
         load_config(VLMConfig, ROOT / "configs" / "mrope_i.yaml", ["model.variantt=mrope"])
@@ -329,7 +329,8 @@ def test_train_script_smoke(tmp_path, tok):
     from safetensors.torch import load_file
 
     from train.config import from_dict
-    from train.vlm import VLMConfig, build_datasets, build_model
+    from models.vlm import vlm_from_config as build_model
+    from train.vlm_setup import VLMConfig, build_datasets
 
     out = tmp_path / "run"
     env = {**os.environ, "OMP_NUM_THREADS": "1"}

@@ -415,7 +415,7 @@ class SafeCheckpointEngine:
 # --------------------------------------------------------------------------- what the model is
 _NOT_MODEL = ("data", "train", "deepspeed")
 
-#: per script, the ``data:`` keys that shape the model's weights: ``train/vit.py::build_model`` builds the ViT with
+#: per script, the ``data:`` keys that shape the model's weights: ``models.vit.vit_from_config`` builds the ViT with
 #: ``img_size=data.img_size`` (the patch grid: the size of absolute position tables) and
 #: ``in_chans=data.channels`` (the patch embedding's input channels)
 WEIGHTS_DEPEND_ON = {"vit": ("img_size", "channels")}

@@ -17,7 +17,7 @@ class Classifier(nn.Module):
 
     ``batch`` is ``(inputs, labels)``; ``inputs`` is whatever the backbone takes (images, a list of
     images of different sizes, point clouds). A batch with no labels (``labels`` of length 0: every sample of it
-    was unreadable, ``train.vit.collate``'s stand-in) has nothing to train on: the backbone still runs on its
+    was unreadable, ``train.vit_setup.collate``'s stand-in) has nothing to train on: the backbone still runs on its
     stand-in inputs and the loss is 0 times their logits, so every parameter gets a zero gradient and every rank
     takes part in the step's collectives.
     """
