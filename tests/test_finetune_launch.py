@@ -136,26 +136,51 @@ def falls(out: Path) -> tuple[float, float]:
     return sum(losses[:k]) / k, sum(losses[-k:]) / k
 
 
+def frozen_vision_counts(folder: Path) -> tuple[int, int]:
+    """(trainable, frozen) parameter counts of the source folder with its vision tower frozen, mergers trainable,
+    counted on the whole model that stock transformers loads."""
+    from transformers import AutoModelForImageTextToText
+
+    model = AutoModelForImageTextToText.from_pretrained(folder, local_files_only=True)
+    tower = {id(p) for n, p in model.model.visual.named_parameters()
+             if n.split(".")[0] not in ("merger", "deepstack_merger_list")}  # fmt: skip
+    frozen = sum(p.numel() for p in model.parameters() if id(p) in tower)
+    return sum(p.numel() for p in model.parameters()) - frozen, frozen
+
+
+OFFLOAD_OPTIMIZER = "deepspeed.zero_optimization.offload_optimizer.device=cpu"
+OFFLOAD_PARAM = "deepspeed.zero_optimization.offload_param.device=cpu"
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("family,zero,packing,variant", [
-    ("qwen2_vl", 2, True, "mrope_i"),
-    ("qwen2_vl", 3, False, "videorope"),
-    ("qwen2_5_vl", 2, False, "v2pe"),
-    ("qwen2_5_vl", 3, True, "vrope"),
-    ("qwen3_vl", 2, False, "mhrope"),
-    ("qwen3_vl", 3, True, "hope_video"),
+@pytest.mark.parametrize("family,zero,packing,variant,extra", [
+    ("qwen2_vl", 2, True, "mrope_i", ()),
+    ("qwen2_vl", 3, False, "videorope", ("train.freeze=[vision]",)),
+    ("qwen2_5_vl", 2, False, "v2pe", (OFFLOAD_OPTIMIZER,)),  # ZeRO-Offload as DeepSpeed users write it
+    ("qwen2_5_vl", 3, True, "vrope", (OFFLOAD_OPTIMIZER, OFFLOAD_PARAM)),
+    ("qwen3_vl", 2, False, "mhrope", ()),
+    ("qwen3_vl", 3, True, "hope_video", ()),
 ])  # fmt: skip
-def test_fine_tune_on_two_ranks_exports_a_stock_folder(family, zero, packing, variant, vniah_set, tiny_qwen_vl,
+def test_fine_tune_on_two_ranks_exports_a_stock_folder(family, zero, packing, variant, extra, vniah_set, tiny_qwen_vl,
                                                        tmp_path):  # fmt: skip
+    import re
+
     folder = tiny_qwen_vl(family)
     out = tmp_path / "run"
     steps = 12
     r = run(command(family, folder, vniah_set, out, f"model.variant={variant}", f"train.zero_stage={zero}",
                     f"data.packing={str(packing).lower()}", f"train.steps={steps}", "train.val_every=12",
-                    "train.ckpt_every=12", "train.freeze=[]"))  # fmt: skip
+                    "train.ckpt_every=12", "train.freeze=[]", *extra))  # fmt: skip
+    if "train.freeze=[vision]" in extra:  # whole parameters counted, though ZeRO-3 loaded them into partitions
+        counts = re.findall(r"\[train\] frozen \['vision'\]: ([\d,]+) parameters trainable, ([\d,]+) frozen", r.stdout)
+        assert [tuple(int(x.replace(",", "")) for x in c) for c in counts] == [frozen_vision_counts(folder)], counts
+    offload = re.findall(r"\[train\] ZeRO-Offload: (.*)", r.stdout)  # rank 0's line
+    if OFFLOAD_OPTIMIZER in extra:  # DeepSpeed steps its CPU Adam (it refused torch's AdamW)
+        where = "on cpu" if OFFLOAD_PARAM in extra else "not offloaded"
+        assert offload == [f"optimizer state on cpu (optimizer DeepSpeedCPUAdam), parameters {where}"], offload
+    else:
+        assert offload == [], offload
     if zero == 3:  # loaded straight into partitions: each of the 2 ranks holds about half of every parameter
-        import re
-
         shares = re.findall(r"ZeRO-3 partitions hold ([\d,]+) of ([\d,]+)", r.stdout)
         assert len(shares) == 2, r.stdout[-2000:]
         for held, total in shares:
@@ -172,7 +197,7 @@ def test_fine_tune_on_two_ranks_exports_a_stock_folder(family, zero, packing, va
     # its ZeRO partitions resumed by one process: the harness's refusal, before DeepSpeed's load raises its own
     cmd = command(family, folder, vniah_set, out, f"model.variant={variant}", f"train.zero_stage={zero}",
                   f"data.packing={str(packing).lower()}", f"train.steps={steps + 1}", "train.val_every=12",
-                  "train.ckpt_every=12", "train.freeze=[]", "train.resume=auto", ranks=1)  # fmt: skip
+                  "train.ckpt_every=12", "train.freeze=[]", *extra, "train.resume=auto", ranks=1)  # fmt: skip
     r = subprocess.run(cmd, cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=600)
     assert r.returncode == 2, r.stderr[-2000:]
     assert "checkpoint error" in r.stderr and "written by 2 ranks" in r.stderr and "1 process" in r.stderr, r.stderr
