@@ -38,8 +38,9 @@ PRECEDENCE = (
     "zero_optimization.stage (train.zero_stage) and train_batch_size (their product with the ranks); a value that "
     "differs is an error naming both, as is a key the installed DeepSpeed does not read (nested keys of the sections "
     "it reads key by key, such as checkpoint, included), an optimizer / scheduler section (the scripts build AdamW "
-    "and the cosine schedule from train.*) and checkpoint.load_universal (DeepSpeed's universal-checkpoint loader "
-    "unpickles with weights_only=False)."
+    "and the cosine schedule from train.*), checkpoint.load_universal (DeepSpeed's universal-checkpoint loader "
+    "unpickles with weights_only=False), an offload the ZeRO stage does not do (offload_param below ZeRO-3, "
+    "offload_optimizer at ZeRO-0) and a monitor whose package is missing (wandb, comet)."
 )
 
 LAUNCH_NOTES = (
@@ -48,7 +49,11 @@ LAUNCH_NOTES = (
     "(plain python train/X.py runs one process on a free port). The first deepspeed launch on a machine compiles a "
     "CPU communication op (about 90 s); later launches reuse it. At the end the script prints where the weights "
     "went (<out_dir>/model.safetensors and the final checkpoint). deepspeed.tensorboard.enabled=true also writes "
-    "TensorBoard events (tensorboard --logdir <out_dir>/tensorboard); metrics.jsonl stays the record."
+    "TensorBoard events (tensorboard --logdir <out_dir>/tensorboard); metrics.jsonl stays the record. "
+    "deepspeed.wandb.enabled=true needs the optional extra: pip install -e '.[wandb]' (or pip install wandb). "
+    "ZeRO-Offload: deepspeed.zero_optimization.offload_optimizer.device=cpu (train.zero_stage 1-3) steps DeepSpeed's "
+    "CPU Adam with the same parameter groups and schedule (its CPU op compiles on first use, about two minutes); "
+    "deepspeed.zero_optimization.offload_param.device=cpu needs train.zero_stage=3."
 )
 
 

@@ -25,6 +25,10 @@ beyond ``train.steps``, and with ``auto`` skips a damaged newest checkpoint (a t
 state) for the previous complete one, with a warning. ``metrics.jsonl`` is cut back to the resumed step, so
 every step is logged once.
 
+The optimizer is AdamW over :func:`param_groups` with the cosine schedule: torch's, or under ZeRO-Offload
+(``deepspeed.zero_optimization.offload_optimizer.device=cpu``) DeepSpeed's CPU Adam in AdamW mode with the same
+groups and hyper-parameters (:func:`build_optimizer`).
+
 Precision: ``bf16`` uses DeepSpeed's ``torch_autocast`` mode, so parameters (learned frequencies
 included) stay fp32 and encodings compute angles in fp32 (see the DeepSpeed notes on bf16 parameter casts).
 """
@@ -82,7 +86,9 @@ __all__ = [
 
 
 def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
-    """AdamW groups: no decay for biases, norms, embeddings/tokens and encodings' ``no_weight_decay`` names."""
+    """AdamW groups: no decay for biases, norms, embeddings/tokens and encodings' ``no_weight_decay`` names. A
+    model with a ``split_groups(decay, no_decay, weight_decay)`` method builds its own groups from those two lists
+    (e.g. a learning rate per part: :func:`train.finetune.part_groups`)."""
     skip: set[str] = set()
     for mod_name, mod in model.named_modules():
         fn = getattr(mod, "no_weight_decay", None)
@@ -98,6 +104,9 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
             no_decay.append(p)
         else:
             decay.append(p)
+    split = getattr(model, "split_groups", None)
+    if callable(split):
+        return [g for g in split(decay, no_decay, weight_decay) if g["params"]]
     groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
     return [g for g in groups if g["params"]]  # DeepSpeed drops empty groups; the schedule must see the same ones
 
@@ -231,11 +240,12 @@ def fit(
         out_dir.mkdir(parents=True, exist_ok=True)
         (out_dir / "config.yaml").write_text(yaml.safe_dump(run_config, sort_keys=False))
         _truncate_metrics(metrics_path, start)
+    sp = getattr(train, "sequence_parallel", 1)  # the ranks of a sequence-parallel group share each batch
     sampler = ResumableBatchSampler(
         len(train_set),  # type: ignore[arg-type]
         micro_batch=train.micro_batch,
-        rank=rank,
-        world=world,
+        rank=rank // sp,
+        world=world // sp,
         seed=train.seed,
         start=start * train.grad_accum,
         total=train.steps * train.grad_accum,
@@ -289,8 +299,8 @@ def fit(
             dt = time.perf_counter() - t0
             rec = {"split": "train", "step": step, "loss": window_loss / window_n, "lr": scheduler.get_last_lr()[0]}
             if window_tokens:
-                rec["tokens_per_s"] = window_tokens * world / dt
-            rec["samples_per_s"] = window_n * train.micro_batch * world / dt
+                rec["tokens_per_s"] = window_tokens * (world // sp) / dt
+            rec["samples_per_s"] = window_n * train.micro_batch * (world // sp) / dt
             if skipped:
                 rec["skipped"] = skipped
             log(rec)

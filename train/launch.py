@@ -7,7 +7,8 @@
   removed once every rank has mapped them (:func:`release_shared_memory_names`);
 * :func:`deepspeed_config`: the DeepSpeed config dict from that section plus the YAML ``deepspeed:``
   overrides, with the batch-size identity checked up front and explained in one line, and every key checked
-  against what the installed DeepSpeed reads (a typo is an error with a suggestion);
+  against what the installed DeepSpeed reads (a typo is an error with a suggestion), an offload the ZeRO stage does
+  not do refused (:func:`offload_devices`) and a monitor whose package is missing named with its install command;
 * :func:`check_out_dir`, :func:`seed_everything`.
 """
 
@@ -29,8 +30,8 @@ import torch.distributed as dist
 
 from .config import ConfigError, _suggest
 
-__all__ = ["TrainSection", "setup_distributed", "release_shared_memory_names", "deepspeed_config", "check_out_dir",
-           "seed_everything"]
+__all__ = ["TrainSection", "setup_distributed", "release_shared_memory_names", "deepspeed_config", "offload_devices",
+           "check_out_dir", "seed_everything"]
 
 
 @dataclass(kw_only=True)
