@@ -219,6 +219,23 @@ def _claim_values(cl: Claim, conds, rows, sel, seeds: list[int], **kw) -> Cell:
     return paired(a, b, w, **kw)
 
 
+def failed_runs(cl: Claim, records: Sequence[dict], seeds: Sequence[int]) -> list[dict[str, Any]]:
+    """The runs behind ``cl``'s two rows at ``seeds`` whose last validation accuracy is below the family's floor
+    (:data:`claims.FAILED_RUN_FLOORS`): ``{"encoding", "seed", "validation"}`` each. Under the design's
+    ``failed_runs == "keep"`` they count like any run; the report names them beside the decision."""
+    from claims import FAILED_RUN_FLOORS
+
+    rows = {r.name: r.encoding for r in PROTOCOLS[cl.family].rows}
+    encs = {rows.get(cl.better, cl.better), rows.get(cl.other, cl.other)}
+    floor, want = FAILED_RUN_FLOORS[cl.family], set(seeds)
+    out = []
+    for r in records:
+        curve = r.get("val_curve") or []
+        if r.get("encoding") in encs and int(r.get("seed", -1)) in want and curve and curve[-1][1] < floor:
+            out.append({"encoding": r["encoding"], "seed": int(r["seed"]), "validation": float(curve[-1][1])})
+    return sorted(out, key=lambda d: (d["encoding"], d["seed"]))
+
+
 def evaluate_claims(records: dict[str, Sequence[dict]], claims: Sequence[Claim] = CLAIMS, *,
                     reps: int | None = None, design: Design = DESIGN) -> list[dict[str, Any]]:  # fmt: skip
     """One entry per registered claim, in points: the sequential decision (:func:`sequential.decide`) from the
@@ -272,7 +289,10 @@ def evaluate_claims(records: dict[str, Sequence[dict]], claims: Sequence[Claim] 
                     "alpha_look": dec["alpha_look"], "ci_rule": dec["ci_rule"], "ci_tost": dec["ci_tost"],
                     "next_look": dec["next_look"], "ci95_bootstrap": [100 * x for x in c["ci95_bootstrap"]],
                     "items_per_seed": c["items"], "per_seed": ps,
-                    "seed_sd": float(np.std(ps, ddof=1)) if len(ps) > 1 else None})  # fmt: skip
+                    "seed_sd": float(np.std(ps, ddof=1)) if len(ps) > 1 else None,
+                    **{k: dec[k] for k in ("p_t", "p_tost", "p_sign_flip", "p_tost_sign_flip", "sign_flip_floor",
+                                           "normal_tails") if k in dec},
+                    "failed_runs": failed_runs(cl, used.get(cl.family) or [], dec["seeds"])})  # fmt: skip
     for e in out:
         e["refused"] = [r for r in refused if r.startswith(e["family"] + "/")]
     return out

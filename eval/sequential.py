@@ -36,7 +36,7 @@ import numpy as np
 
 from claims import CLAIMS, DESIGN, LEGACY_ADOPTED_BY, Claim, Design, fingerprint
 
-__all__ = ["VERDICTS", "run_design", "decide", "select_records", "next_look_runs"]
+__all__ = ["VERDICTS", "run_design", "decide", "tails", "select_records", "next_look_runs"]
 
 #: verdict codes of :func:`run_design`
 VERDICTS = ("open", "agrees", "disagrees", "equivalent", "unresolved")
@@ -157,8 +157,42 @@ def decide(per_seed: Sequence[Mapping[int, float] | None], claims: Sequence[Clai
         res.append({"verdict": v, "look": None if li < 0 else li + 1, "n": n, "seeds": seeds, "diff": float(xs.mean()),
                     "ci95": _interval(xs, 0.95), "alpha_look": a,
                     "ci_rule": None if a is None else _interval(xs, 1 - a),
-                    "ci_tost": None if a is None else _interval(xs, 1 - 2 * a), "next_look": nxt})  # fmt: skip
+                    "ci_tost": None if a is None else _interval(xs, 1 - 2 * a), "next_look": nxt,
+                    **tails(xs, c.margin, v, a)})  # fmt: skip
     return res
+
+
+def tails(xs: np.ndarray, margin: float, verdict: str, level: float | None) -> dict[str, Any]:
+    """The p-values of one claim's look beside the rule's: ``p_t`` / ``p_tost`` (Student-t, what the rule reads),
+    ``p_sign_flip`` / ``p_tost_sign_flip`` (exact sign-flip permutation tests of the same hypotheses,
+    :func:`stats.sign_flip_p`: no normal tails, symmetric differences under the null), ``sign_flip_floor`` (the
+    smallest two-sided sign-flip p-value ``n`` seeds allow) and ``normal_tails``: for a decided claim, whether the
+    exact test of its decision misses the level ``level`` the rule used (True: the decision rests on the t
+    distribution's tails); None for an undecided one."""
+    from stats import sign_flip_p
+
+    x = np.asarray(xs, dtype=np.float64)
+    n = x.size
+    if n < 2:
+        return {}
+    t = _t()
+    se = x.std(ddof=1) / math.sqrt(n)
+    d = float(x.mean())
+    if se > 0:
+        p_t = float(2 * t.sf(abs(d / se), n - 1))
+        p_tost = float(max(t.sf((d + margin) / se, n - 1), t.cdf((d - margin) / se, n - 1)))
+    else:  # every seed the same difference
+        p_t, p_tost = float(d == 0), float(abs(d) >= margin)
+    p_flip = sign_flip_p(x)
+    p_tost_flip = max(sign_flip_p(x, shift=-margin, alternative="greater"),
+                      sign_flip_p(x, shift=margin, alternative="less"))  # fmt: skip
+    rests = None
+    if level is not None and verdict in ("agrees", "disagrees"):
+        rests = p_flip > level
+    elif level is not None and verdict == "equivalent":
+        rests = p_tost_flip > level
+    return {"p_t": p_t, "p_tost": p_tost, "p_sign_flip": p_flip, "p_tost_sign_flip": p_tost_flip,
+            "sign_flip_floor": 2 / 2**n, "normal_tails": rests}  # fmt: skip
 
 
 def select_records(records: Mapping[str, Sequence[dict]], *, design: Design = DESIGN,
