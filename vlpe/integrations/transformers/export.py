@@ -11,11 +11,8 @@ ZeRO-3 load (:func:`keep_used_conversions`); ``config.json`` adds the ``"vlpe"``
 
 from __future__ import annotations
 
-import copy
-import inspect
 import json
 import math
-import os
 from pathlib import Path
 from typing import Any, Mapping
 
@@ -23,8 +20,9 @@ from torch import nn
 
 from vlpe.encodings import multimodal as mm
 
-from .patch import RECORD_KEY, apply, check_options, patch_of, read_record
-from .stock import mark_config, restore_config
+from .patch import apply, patch_of
+from .record import RECORD_KEY, check_options, read_record
+from .stock import restore_config, write_folder
 
 __all__ = [
     "save_pretrained", "from_pretrained", "recorded_variant", "recorded_preprocessing", "load_config",
@@ -153,31 +151,9 @@ def save_pretrained(
         ValueError: an unpatched model whose config still carries a record (it would name a variant the weights
             were not trained with: apply it, or delete ``model.config.vlpe``); ``safe_serialization=False``.
     """
-    patch = patch_of(model)
-    config = model.config
-    if patch is None and getattr(config, RECORD_KEY, None) is not None:
-        raise ValueError(
-            f"{type(model).__name__} carries no vlpe patch but its config records one ({getattr(config, RECORD_KEY)}):"
-            " apply it (vlpe.integrations.transformers.apply(model)) or delete model.config.vlpe to save a stock model"
-        )
-    if patch is not None and patch.record is not None:
-        setattr(config, RECORD_KEY, copy.deepcopy(patch.record))
-    save = type(model).save_pretrained  # the class's own: a patched instance's save_pretrained leads here
-    kwargs: dict[str, Any] = dict(save_kwargs)
-    if "safe_serialization" in inspect.signature(save).parameters:
-        kwargs["safe_serialization"] = safe_serialization
-    elif not safe_serialization:
-        raise ValueError("safe_serialization=False: the installed transformers writes safetensors only")
-    save(model, path, state_dict=state_dict, is_main_process=is_main_process, **kwargs)
-    if is_main_process:
-        file = Path(path) / "config.json"
-        marked = mark_config(json.loads(file.read_text()), model, patch, preprocessing)
-        tmp = file.with_name(f".{file.name}.tmp")
-        tmp.write_text(json.dumps(marked, indent=2, sort_keys=True) + "\n")
-        os.replace(tmp, file)
-        if processor is not None:
-            processor.save_pretrained(path)
-    return Path(path)
+    return write_folder(model, patch_of(model), path, state_dict=state_dict, processor=processor,
+                        preprocessing=preprocessing, safe_serialization=safe_serialization,
+                        is_main_process=is_main_process, **save_kwargs)  # fmt: skip
 
 
 def recorded_preprocessing(path: str | Path) -> dict[str, Any]:

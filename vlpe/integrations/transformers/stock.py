@@ -18,7 +18,11 @@ Every export is one of two kinds, written into its ``config.json`` by :func:`mar
 from __future__ import annotations
 
 import copy
+import inspect
+import json
 import math
+import os
+from pathlib import Path
 from typing import Any, Mapping
 
 from torch import nn
@@ -26,9 +30,12 @@ from torch import nn
 from vlpe.encodings import multimodal as mm
 from vlpe.encodings.multimodal.checkpoints import FAMILY_DESIGNS, family_variant
 
-from .patch import RECORD_KEY
+from .record import RECORD_KEY
 
-__all__ = ["stock_rope", "mark_config", "restore_config", "refusal", "is_vlpe_only", "TRANSFORMERS5_DIFFERENCE"]
+__all__ = [
+    "stock_rope", "mark_config", "restore_config", "write_folder", "refusal", "is_vlpe_only",
+    "TRANSFORMERS5_DIFFERENCE",
+]
 
 EXPORT_KEY = "export"  # the record's entry describing the export
 _ROPE_PLACES = (("text_config", "rope_parameters"), ("text_config", "rope_scaling"), ("rope_parameters",),
@@ -191,3 +198,42 @@ def restore_config(config: Mapping[str, Any], *, where: str) -> dict[str, Any]:
         else:
             rope[key] = value
     return out
+
+
+def write_folder(model: nn.Module, patch: Any, path: str | Path, *, state_dict: dict | None = None,
+                 processor: Any = None, preprocessing: Mapping[str, Any] | None = None,
+                 safe_serialization: bool = True, is_main_process: bool = True, **save_kwargs: Any) -> Path:  # fmt: skip
+    """Write ``model`` (patched with ``patch``, or None) to ``path`` with transformers' own ``save_pretrained`` and
+    the ``config.json`` of its kind (:func:`mark_config`); what
+    :func:`vlpe.integrations.transformers.save_pretrained` and a patched model's ``save_pretrained`` do.
+
+    Returns:
+        ``path``.
+
+    Raises:
+        ValueError: an unpatched model whose config still carries a record; ``safe_serialization=False``.
+    """
+    config = model.config
+    if patch is None and getattr(config, RECORD_KEY, None) is not None:
+        raise ValueError(
+            f"{type(model).__name__} carries no vlpe patch but its config records one ({getattr(config, RECORD_KEY)}):"
+            " apply it (vlpe.integrations.transformers.apply(model)) or delete model.config.vlpe to save a stock model"
+        )
+    if patch is not None and patch.record is not None:
+        setattr(config, RECORD_KEY, copy.deepcopy(patch.record))
+    save = type(model).save_pretrained  # the class's own: a patched instance's save_pretrained leads here
+    kwargs: dict[str, Any] = dict(save_kwargs)
+    if "safe_serialization" in inspect.signature(save).parameters:
+        kwargs["safe_serialization"] = safe_serialization
+    elif not safe_serialization:
+        raise ValueError("safe_serialization=False: the installed transformers writes safetensors only")
+    save(model, path, state_dict=state_dict, is_main_process=is_main_process, **kwargs)
+    if is_main_process:
+        file = Path(path) / "config.json"
+        marked = mark_config(json.loads(file.read_text()), model, patch, preprocessing)
+        tmp = file.with_name(f".{file.name}.tmp")
+        tmp.write_text(json.dumps(marked, indent=2, sort_keys=True) + "\n")
+        os.replace(tmp, file)
+        if processor is not None:
+            processor.save_pretrained(path)
+    return Path(path)
