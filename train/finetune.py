@@ -351,6 +351,7 @@ def main(cfg, raw: dict) -> None:
     from data.hf_batch import InstructCollator
     from data.instruct import InstructDataset
     from train.engine import deepspeed_config, fit, setup_distributed
+    from train.sequence_parallel import check_world, wrap
     from train.tasks import reduce_accuracy
 
     from vlpe.integrations.transformers import patch_of
@@ -359,6 +360,7 @@ def main(cfg, raw: dict) -> None:
     if not d.annotations:
         raise ConfigError("model.hf_model needs data.annotations (a LLaVA-format JSON / JSONL file)")
     rank, world, device = setup_distributed()
+    check_world(t.sequence_parallel, world)  # sequence parallelism: refused before the model loads
     ds_cfg = deepspeed_config(t, cfg.deepspeed, world=world, device=device)
     model, processor, keep, counts = load_model(cfg, ds_cfg)
     patch = patch_of(model)
@@ -403,8 +405,10 @@ def main(cfg, raw: dict) -> None:
         return reduce_accuracy(stats)
 
     run_config = {**raw, "script": "vlm", "source": source_record(cfg)}
+    if t.sequence_parallel > 1:  # a resume with another sequence-parallel size is refused, naming both
+        run_config["sequence_parallel"] = t.sequence_parallel
     fit(
-        model=CausalLM(model=model),
+        model=wrap(model, t.sequence_parallel),  # CausalLM, or its sequence-parallel form
         train=t,
         deepspeed_overrides=cfg.deepspeed,
         train_set=train_set,
