@@ -1,6 +1,6 @@
 """LookHere's faster forms (lattice table with skippable half-planes, per-head chunk bias, FlexAttention
 ``score_mod`` + ``block_mask``), registered for :class:`vlpe.encodings.lookhere.LookHere`; each equals
-:meth:`LookHere.score` (the written form: the same ``_Pairs`` / ``head_bias`` code), checked in
+:meth:`LookHere.score` (the written form: the same ``HeadPairs`` / ``head_bias`` code), checked in
 tests/test_fast_forms_registry.py, tests/test_fast_attention.py and tests/test_lookhere.py."""
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ from torch import Tensor
 
 from ..encodings.base import Context, LatticeBias
 from ..encodings.functional.bias import lattice_offsets
-from ..encodings.functional.lookhere import _HALF_PLANES, _half_plane, head_bias
-from ..encodings.lookhere import LookHere, _Pairs
+from ..encodings.functional.lookhere import HALF_PLANE_BITS, axis_half_plane, head_bias
+from ..encodings.lookhere import HeadPairs, LookHere
 from .registry import clear_prefix, fast_form, flex_form
 
 __all__ = ["lookhere_lattice", "lookhere_heads", "lookhere_flex"]
@@ -30,11 +30,11 @@ def lookhere_lattice(enc: LookHere, ctx: Context, layer: int) -> LatticeBias | N
         off = lattice_offsets(h, w, pos.device).to(ctx["proj"].dtype)  # (1, M, 2): (dy, dx)
         y, x = off[..., 0], off[..., 1]  # (1, M)
         keys = torch.stack([x, y, x + y, x - y])  # (4, 1, M)
-        pairs = _Pairs(enc, keys.new_zeros(4, 1, 1), keys, layer, ctx)
+        pairs = HeadPairs(enc, keys.new_zeros(4, 1, 1), keys, layer, ctx)
         table = pairs.dist.new_empty(enc.num_heads, 1, keys.shape[-1])  # (H, 1, M)
         for head in range(enc.num_heads):
             pairs.fill(head, table[head : head + 1])
-    planes = tuple(_half_plane(bits) if enc.fill_with == "inf" else None for bits in enc._required)
+    planes = tuple(axis_half_plane(bits) if enc.fill_with == "inf" else None for bits in enc._required)
     return LatticeBias(table.reshape(enc.num_heads, 2 * h - 1, 2 * w - 1), planes)
 
 
@@ -67,7 +67,7 @@ def lookhere_flex(enc: LookHere, q: Tensor, k: Tensor, ctx: Context, layer: int)
     x, y = proj[0], proj[1]
     per_sample = proj.shape[1] > 1
     slopes = -enc.slopes(layer).to(proj.dtype)  # (H,)
-    bits = torch.tensor(list(_HALF_PLANES), dtype=torch.uint8, device=proj.device)
+    bits = torch.tensor(list(HALF_PLANE_BITS), dtype=torch.uint8, device=proj.device)
     req = (enc.required[:, None] & bits) != 0  # (H, 8) which half-planes each head needs
     is_center = enc.is_center
     centre = ctx["centre_dist"] if enc.has_center else None
@@ -85,7 +85,7 @@ def lookhere_flex(enc: LookHere, q: Tensor, k: Tensor, ctx: Context, layer: int)
         bb = b if per_sample else 0
         seen = (q_idx < prefix) | (kv_idx < prefix)
         inside = None
-        for c, (form, positive) in enumerate(_HALF_PLANES.values()):
+        for c, (form, positive) in enumerate(HALF_PLANE_BITS.values()):
             pk, pq = proj[form, bb, kv_idx], proj[form, bb, q_idx]
             ok = (pk >= pq if positive else pk <= pq) | ~req[h, c]
             inside = ok if inside is None else inside & ok

@@ -11,7 +11,8 @@ An encoding is ``prepare`` plus the pieces of the contract (:mod:`vlpe.encodings
 
 The plan of ``enc.prepare(pos)`` reads which forms exist from here (:func:`forms_of`, given to the plan module
 by :func:`vlpe.encodings.plan.register_forms`), so presence is data, never found by looking at methods.
-:func:`clear_prefix` is the one place where the bias of pairs with a prefix (CLS, register) token is cleared.
+:func:`vlpe.encodings.functional.bias.clear_prefix` (re-exported here for the forms) is the one place where the bias
+of pairs with a prefix (CLS, register) token is cleared.
 Every registered form is checked against its encoding's ``score`` (the written form of the bias) in
 tests/test_fast_forms_registry.py.
 """
@@ -21,11 +22,11 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Any, Callable
 
-import torch
 from torch import Tensor
 
 from ..encodings import plan as _plan
 from ..encodings.base import Context, Encoding, LatticeBias
+from ..encodings.functional.bias import clear_prefix
 from ..encodings.registry import by_class
 
 __all__ = [
@@ -158,22 +159,3 @@ def flex_mods(enc: Encoding, q: Tensor, k: Tensor, ctx: Context, layer: int):
     """``(score_mod, block_mask)`` of ``enc``'s registered FlexAttention form (``(None, None)``: no form)."""
     form = flex_form_of(enc)
     return (None, None) if form is None else form(enc, q, k, ctx, layer)
-
-
-# --------------------------------------------------------------------------- the shared prefix rule
-def clear_prefix(bias: Tensor, prefix: int, q_idx: slice | Tensor, kv_idx: Tensor | None = None) -> Tensor:
-    """The bias with every pair involving one of the first ``prefix`` tokens (CLS, registers) set to 0.
-
-    ``q_idx`` a step-1 slice of query rows: ``bias`` ``(..., n, N)`` holds those rows and every key, cleared in
-    place (the dense chunks of the fast path). ``q_idx`` / ``kv_idx`` index tensors (FlexAttention's
-    ``score_mod``): out of place, ``torch.where`` on the broadcast indices (traced by ``torch.compile``).
-    """
-    if not prefix:
-        return bias
-    if isinstance(q_idx, slice):
-        bias[..., :prefix] = 0.0
-        start = q_idx.start or 0
-        if start < prefix:
-            bias[..., : min(prefix - start, bias.shape[-2]), :] = 0.0
-        return bias
-    return torch.where((q_idx < prefix) | (kv_idx < prefix), torch.zeros_like(bias), bias)

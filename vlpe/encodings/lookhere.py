@@ -9,11 +9,12 @@ from torch import Tensor
 
 from .base import Context, Encoding
 from .spec import EncodingSpec
+from .functional.bias import clear_prefix
 from .functional.lookhere import DIRECTION_GROUPS, default_directions, head_bias, head_layout
-from .functional.lookhere import _HALF_PLANES, _MASKED, _PRIMITIVES, _default_head_slopes
+from .functional.lookhere import FIELD_PRIMITIVES, HALF_PLANE_BITS, MASKED_LOGIT, default_head_slopes
 from .registry import register, register_preset
 
-__all__ = ["LookHere", "DIRECTION_GROUPS", "default_directions", "head_layout"]
+__all__ = ["LookHere", "HeadPairs", "DIRECTION_GROUPS", "default_directions", "head_layout"]
 
 _FILLS = ("inf", "zero", "max")
 _DISTANCES = ("linear", "sqrt", "square")
@@ -78,7 +79,7 @@ class LookHere(Encoding):
             head_directions = default_directions(num_heads)
         head_names, head_dirs = head_layout(head_directions, num_heads)
         if head_slopes is None:
-            head_slopes = _default_head_slopes(head_names)
+            head_slopes = default_head_slopes(head_names)
         head_slopes = [float(s) for s in head_slopes]
         if len(head_slopes) != num_heads:
             raise ValueError(f"head_slopes must give one slope per head ({num_heads}), got {len(head_slopes)}")
@@ -89,7 +90,7 @@ class LookHere(Encoding):
         for dirs in head_dirs:
             bits = 0
             for d in dirs:
-                bits |= _PRIMITIVES.get(d, 0)
+                bits |= FIELD_PRIMITIVES.get(d, 0)
             required.append(bits)
             zero.append("zero" in dirs)
             center.append("center" in dirs)
@@ -161,22 +162,12 @@ class LookHere(Encoding):
             out = pairs.dist.new_empty(pairs.dist.shape[0], self.num_heads, *pairs.dist.shape[1:])  # (B, H, n, N)
             for h in range(self.num_heads):
                 pairs.fill(h, out[:, h])
-            self._clear_prefix(out, ctx.pos.prefix, rows, out.shape[-2])
+            clear_prefix(out, ctx.pos.prefix, rows)
         return out
 
-    def _pairs(self, ctx: Context, rows: slice, layer: int) -> "_Pairs":
+    def _pairs(self, ctx: Context, rows: slice, layer: int) -> "HeadPairs":
         proj = ctx["proj"]  # (4, B, N)
-        return _Pairs(self, proj[:, :, rows], proj, layer, ctx)
-
-    @staticmethod
-    def _clear_prefix(bias: Tensor, prefix: int, rows: slice, n: int) -> None:
-        """Zero the bias of prefix keys and of prefix query rows (``rows`` is a step-1 slice of queries)."""
-        if not prefix:
-            return
-        bias[..., :prefix] = 0.0
-        start = rows.start or 0
-        if start < prefix:
-            bias[..., : min(prefix - start, n), :] = 0.0
+        return HeadPairs(self, proj[:, :, rows], proj, layer, ctx)
 
     def extra_repr(self) -> str:
         return (
@@ -185,7 +176,7 @@ class LookHere(Encoding):
         )
 
 
-class _Pairs:
+class HeadPairs:
     """LookHere's bias between queries and keys given by their boundary-form projections, one head at a time.
 
     ``proj_q`` (4, B, n) and ``proj_k`` (4, B, N) hold ``x, y, x + y, x - y`` of the queries and keys (the
@@ -215,7 +206,7 @@ class _Pairs:
         projections, so no offset tensor is built.
         """
         hidden, owned = None, False
-        for bit, (form, positive) in _HALF_PLANES.items():
+        for bit, (form, positive) in HALF_PLANE_BITS.items():
             if not req & bit:
                 continue
             if bit not in self.outside:
@@ -237,7 +228,7 @@ class _Pairs:
             self.group, self.hid = g, self._hidden(enc._fov_groups[g][0])
             if self.hid is not None and enc.fill_with == "inf":
                 out = dist.new_empty(dist.shape) if self.floor is None else self.floor
-                self.floor = torch.mul(self.hid, _MASKED, out=out)
+                self.floor = torch.mul(self.hid, MASKED_LOGIT, out=out)
         hid, floor = self.hid, self.floor
         B, n, N = dist.shape
         s = self.factor * enc._slopes[h]

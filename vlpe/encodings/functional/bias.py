@@ -1,4 +1,5 @@
-"""Bias primitives shared by the relative-bias encodings: iRPE's piecewise index and bucket maps.
+"""Bias primitives shared by the relative-bias encodings: iRPE's piecewise index and bucket maps, the lattice of
+grid offsets and the one rule for the bias of pairs with a prefix (CLS, register) token.
 
 Conventions: offsets are *query minus key* (``p_i - p_j``, iRPE's convention); grids are row-major
 ``(h, w)``; bucket maps are integer tensors built once per grid and shared by every layer. Index math
@@ -22,6 +23,7 @@ __all__ = [
     "toeplitz_2d",
     "compact_index_dtype",
     "lattice_offsets",
+    "clear_prefix",
 ]
 
 IRPE_METHODS = ("euclidean", "quant", "cross", "product")
@@ -120,3 +122,21 @@ def lattice_offsets(h: int, w: int, device: torch.device | str | None = None) ->
     dy = torch.arange(-(h - 1), h, device=device, dtype=torch.float32)
     dx = torch.arange(-(w - 1), w, device=device, dtype=torch.float32)
     return torch.stack(torch.meshgrid(dy, dx, indexing="ij"), dim=-1).reshape(1, -1, 2)
+
+
+def clear_prefix(bias: Tensor, prefix: int, q_idx: slice | Tensor, kv_idx: Tensor | None = None) -> Tensor:
+    """The bias with every pair involving one of the first ``prefix`` tokens (CLS, registers) set to 0.
+
+    ``q_idx`` a step-1 slice of query rows: ``bias`` ``(..., n, N)`` holds those rows and every key, cleared in
+    place (the dense chunks of the fast path). ``q_idx`` / ``kv_idx`` index tensors (FlexAttention's
+    ``score_mod``): out of place, ``torch.where`` on the broadcast indices (traced by ``torch.compile``).
+    """
+    if not prefix:
+        return bias
+    if isinstance(q_idx, slice):
+        bias[..., :prefix] = 0.0
+        start = q_idx.start or 0
+        if start < prefix:
+            bias[..., : min(prefix - start, bias.shape[-2]), :] = 0.0
+        return bias
+    return torch.where((q_idx < prefix) | (kv_idx < prefix), torch.zeros_like(bias), bias)

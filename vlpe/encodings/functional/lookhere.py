@@ -3,10 +3,10 @@
 Field-of-view codes are bit sets of half-planes ``(dx, dy) = key - query`` must lie in (columns, rows; "up" is a
 smaller row, every boundary inclusive); the primitives (halves, quadrants, 90-degree wedges, diagonal
 half-planes) and the reference's direction groups of four heads are tables here. :func:`head_layout` deals the
-heads of a config such as ``"corners-triangles-none"`` to its groups in blocks of four, ``_default_head_slopes``
-gives the reference's per-head slopes, ``_half_plane`` names the axis half-plane a field of view lies in (what
-the lattice fast path may skip), and :func:`head_bias` is the one formula of a head's bias shared by the dense
-and the flex paths of :class:`vlpe.encodings.lookhere.LookHere`.
+heads of a config such as ``"corners-triangles-none"`` to its groups in blocks of four,
+:func:`default_head_slopes` gives the reference's per-head slopes, :func:`axis_half_plane` names the axis
+half-plane a field of view lies in (what the lattice fast path may skip), and :func:`head_bias` is the one formula
+of a head's bias shared by the dense and the flex paths of :class:`vlpe.encodings.lookhere.LookHere`.
 """
 
 from __future__ import annotations
@@ -16,14 +16,17 @@ from itertools import groupby
 import torch
 from torch import Tensor
 
-__all__ = ["DIRECTION_GROUPS", "default_directions", "head_layout", "head_bias"]
+__all__ = [
+    "DIRECTION_GROUPS", "FIELD_PRIMITIVES", "HALF_PLANE_BITS", "MASKED_LOGIT", "default_directions", "head_layout",
+    "default_head_slopes", "axis_half_plane", "head_bias",
+]  # fmt: skip
 
 # Half-planes a key may be required to lie in, as bits of a field-of-view code. (dx, dy) = key - query in
 # (column, row) patch units; "up" is a smaller row index. Every boundary is inclusive.
 _RIGHT, _LEFT, _DOWN, _UP = 1, 2, 4, 8  # dx >= 0, dx <= 0, dy >= 0, dy <= 0
 _SUM_POS, _SUM_NEG, _DIF_POS, _DIF_NEG = 16, 32, 64, 128  # dx+dy >= 0, dx+dy <= 0, dx-dy >= 0, dx-dy <= 0
 #: bit -> (form index into (x, y, x + y, x - y), True for ">= 0" / False for "<= 0")
-_HALF_PLANES = {
+HALF_PLANE_BITS = {
     _RIGHT: (0, True), _LEFT: (0, False), _DOWN: (1, True), _UP: (1, False),
     _SUM_POS: (2, True), _SUM_NEG: (2, False), _DIF_POS: (3, True), _DIF_NEG: (3, False),
 }  # fmt: skip
@@ -31,7 +34,7 @@ _HALF_PLANES = {
 #: Field-of-view primitives -> required half-plane bits (intersection). Wedges ("tri_*") are 90-degree
 #: cones around an axis; "diag_*" are the *union* of two adjacent wedges, i.e. a half-plane bounded by a
 #: diagonal (the reference intersects the two wedges' masked sets).
-_PRIMITIVES = {
+FIELD_PRIMITIVES = {
     "up": _UP,
     "down": _DOWN,
     "left": _LEFT,
@@ -66,7 +69,7 @@ DIRECTION_GROUPS: dict[str, tuple[tuple[str, ...], ...]] = {
     "zerotriangles": tuple(("zero", d) for d in ("tri_up", "tri_down", "tri_left", "tri_right")),
 }
 _UNDIRECTED = ("zero", "center", "none")  # groups whose name contains one of these get the undirected slopes
-_MASKED = -3.3895313892515355e38  # bfloat16's lowest finite value: masked logits stay finite in fp32 and bf16
+MASKED_LOGIT = -3.3895313892515355e38  # bfloat16's lowest finite value: masked logits stay finite in fp32 and bf16
 
 
 def _group_sizes(num_heads: int, groups: int, config: str) -> list[int]:
@@ -115,7 +118,7 @@ def head_layout(config: str, num_heads: int) -> tuple[list[str], list[tuple[str,
     return head_names, head_dirs
 
 
-def _default_head_slopes(head_names: list[str]) -> list[float]:
+def default_head_slopes(head_names: list[str]) -> list[float]:
     """Per-head slopes by runs of equal group names: directed runs ``2^-(1 + k // 4)`` (1/2 for the first
     four heads, 1/4 for the next four, ...); undirected runs ``1/4, 1/16, 1/64, 1/256`` (each repeated
     ``n / 4`` times for runs of n > 4 heads)."""
@@ -129,7 +132,7 @@ def _default_head_slopes(head_names: list[str]) -> list[float]:
     return slopes
 
 
-def _half_plane(bits: int) -> str | None:
+def axis_half_plane(bits: int) -> str | None:
     """The axis half-plane (:data:`vlpe.encodings.HALF_PLANES`) a field of view with these required bits lies in,
     if any: its own bit, or the two diagonal bounds that imply it (a wedge ``|dx| <= -dy`` lies in ``dy <= 0``)."""
     implied = {
@@ -144,7 +147,8 @@ def _half_plane(bits: int) -> str | None:
 
 def head_bias(d: Tensor, slope, hidden: Tensor | None, fill_with: str, max_dist: Tensor | None = None, *,
               floor: Tensor | None = None, out: Tensor | None = None) -> Tensor:
-    """LookHere's bias of one head: the one formula of the dense path (:class:`vlpe.encodings.lookhere._Pairs`) and the flex path.
+    """LookHere's bias of one head: the one formula of the dense path (:class:`vlpe.encodings.lookhere.HeadPairs`)
+    and the flex path.
 
     ``slope * d`` for a key inside the field of view (``d`` the penalised distance, or the key's distance to
     the image centre for "center" heads; ``slope`` <= 0, 0 for "zero" heads); for a key outside it (``hidden``
@@ -160,11 +164,11 @@ def head_bias(d: Tensor, slope, hidden: Tensor | None, fill_with: str, max_dist:
         if hidden is None:
             return bias
         if fill_with == "inf":
-            return bias + torch.where(hidden, _MASKED, 0.0)
+            return bias + torch.where(hidden, MASKED_LOGIT, 0.0)
         return torch.where(hidden, 0.0 if fill_with == "zero" else slope * max_dist, bias)
     if hidden is not None and fill_with == "inf":
         if floor is None:
-            floor = torch.mul(hidden, _MASKED)
+            floor = torch.mul(hidden, MASKED_LOGIT)
         if slope == 0:
             return out.copy_(floor)
         return torch.add(floor, d, alpha=slope, out=out)  # floor + slope * d
