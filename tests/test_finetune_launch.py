@@ -148,7 +148,57 @@ def frozen_vision_counts(folder: Path) -> tuple[int, int]:
     return sum(p.numel() for p in model.parameters()) - frozen, frozen
 
 
+def mixed_set(data: dict) -> dict:
+    """The V-NIAH set rewritten as LLaMA-Factory / ms-swift ``messages`` (JSONL): every third video as its frame
+    files (PNG, decoded from the lossless mp4), every image sample with the video sample before it (an image and a
+    video in one sample, the image's answer). The held-out file stays LLaVA."""
+    import decord
+    from PIL import Image
+
+    media = Path(data["media_root"])
+    out = media.parent / "mixed_train.jsonl"
+    if not out.exists():
+        lines, last_video = [], None
+        for i, s in enumerate(json.loads(Path(data["train"]).read_text())):
+            question, answer = s["conversations"][0]["value"].split("\n", 1)[1], s["conversations"][1]["value"]
+            if "image" in s:
+                sample = {"images": [s["image"]], "videos": [last_video], "messages": [
+                    {"role": "user", "content": f"<image>{question}<video>"}, {"role": "assistant", "content": answer}]}
+            else:
+                last_video = s["video"]
+                video = s["video"]
+                if i % 3 == 0:
+                    vr = decord.VideoReader(str(media / s["video"]))
+                    video = []
+                    for t, frame in enumerate(vr.get_batch(list(range(len(vr)))).asnumpy()):
+                        Image.fromarray(frame).save(media / f"{s['id']}_{t:02d}.png")
+                        video.append(f"{s['id']}_{t:02d}.png")
+                sample = {"videos": [video], "messages": [
+                    {"role": "user", "content": f"<video>{question}"}, {"role": "assistant", "content": answer}]}
+            lines.append(json.dumps(sample))
+        out.write_text("\n".join(lines) + "\n")
+    return {**data, "train": str(out)}
+
+
+MIXED = "mixed-set"  # the test runs on mixed_set(vniah_set)
+LR_PARTS = "train.lr_parts={vision: 1.0e-4, merger: 3.0e-3, encoding: 1.0e-2}"
 OFFLOAD_OPTIMIZER = "deepspeed.zero_optimization.offload_optimizer.device=cpu"
+
+
+def part_counts(folder: Path) -> dict[str, int]:
+    """Parameters per part of the source folder, counted by module on the model stock transformers loads: the
+    mergers, the vision tower's position table (``encoding``), the rest of the tower, the decoder and LM head."""
+    from transformers import AutoModelForImageTextToText
+
+    model = AutoModelForImageTextToText.from_pretrained(folder, local_files_only=True)
+    visual = model.model.visual
+    merger = sum(p.numel() for m in [visual.merger, *getattr(visual, "deepstack_merger_list", [])]
+                 for p in m.parameters())  # fmt: skip
+    encoding = sum(p.numel() for p in visual.pos_embed.parameters()) if hasattr(visual, "pos_embed") else 0
+    llm = sum({id(p): p.numel() for p in [*model.model.language_model.parameters(),
+                                          *model.lm_head.parameters()]}.values())  # a tied head counted once
+    vision = sum(p.numel() for p in visual.parameters()) - merger - encoding
+    return {"vision": vision, "merger": merger, "encoding": encoding, "llm": llm}
 OFFLOAD_PARAM = "deepspeed.zero_optimization.offload_param.device=cpu"
 
 
@@ -160,6 +210,7 @@ OFFLOAD_PARAM = "deepspeed.zero_optimization.offload_param.device=cpu"
     ("qwen2_5_vl", 3, True, "vrope", (OFFLOAD_OPTIMIZER, OFFLOAD_PARAM)),
     ("qwen3_vl", 2, False, "mhrope", ()),
     ("qwen3_vl", 3, True, "hope_video", ()),
+    ("qwen3_vl", 2, True, "mrope_i", (MIXED, LR_PARTS)),  # messages, frame lists, images + videos; a lr per part
 ])  # fmt: skip
 def test_fine_tune_on_two_ranks_exports_a_stock_folder(family, zero, packing, variant, extra, vniah_set, tiny_qwen_vl,
                                                        tmp_path):  # fmt: skip
@@ -168,7 +219,9 @@ def test_fine_tune_on_two_ranks_exports_a_stock_folder(family, zero, packing, va
     folder = tiny_qwen_vl(family)
     out = tmp_path / "run"
     steps = 12
-    r = run(command(family, folder, vniah_set, out, f"model.variant={variant}", f"train.zero_stage={zero}",
+    data = mixed_set(vniah_set) if MIXED in extra else vniah_set
+    extra = tuple(e for e in extra if e != MIXED)
+    r = run(command(family, folder, data, out, f"model.variant={variant}", f"train.zero_stage={zero}",
                     f"data.packing={str(packing).lower()}", f"train.steps={steps}", "train.val_every=12",
                     "train.ckpt_every=12", "train.freeze=[]", *extra))  # fmt: skip
     if "train.freeze=[vision]" in extra:  # whole parameters counted, though ZeRO-3 loaded them into partitions
@@ -180,6 +233,16 @@ def test_fine_tune_on_two_ranks_exports_a_stock_folder(family, zero, packing, va
         assert offload == [f"optimizer state on cpu (optimizer DeepSpeedCPUAdam), parameters {where}"], offload
     else:
         assert offload == [], offload
+    if LR_PARTS in extra:  # the optimizer's groups: rank 0's lines, and the schedule's base rates in the checkpoint
+        groups = re.findall(r"\[train\] parameter group (\w+): lr ([\d.e-]+), weight decay [\d.e-]+, ([\d,]+) "
+                            "parameters", r.stdout)  # fmt: skip
+        lr = {"vision": 1e-4, "merger": 3e-3, "encoding": 1e-2, "llm": 2e-3}  # llm: train.lr of command()
+        assert groups and all(float(g[1]) == lr[g[0]] for g in groups), groups
+        tag = out / "checkpoints" / f"step_{steps:08d}" / "mp_rank_00_model_states.pt"
+        base = torch.load(tag, map_location="cpu", weights_only=False)["lr_scheduler"]["base_lrs"]
+        assert base == [lr[g[0]] for g in groups], (base, groups)
+        assert {part: sum(int(n.replace(",", "")) for p, _, n in groups if p == part) for part in lr} == \
+            part_counts(folder)  # fmt: skip
     if zero == 3:  # loaded straight into partitions: each of the 2 ranks holds about half of every parameter
         shares = re.findall(r"ZeRO-3 partitions hold ([\d,]+) of ([\d,]+)", r.stdout)
         assert len(shares) == 2, r.stdout[-2000:]
@@ -195,7 +258,7 @@ def test_fine_tune_on_two_ranks_exports_a_stock_folder(family, zero, packing, va
     assert config["vlpe"]["variant"] == variant
     check_export(out, folder, variant, steps, zero, sample_inputs(folder, vniah_set))
     # its ZeRO partitions resumed by one process: the harness's refusal, before DeepSpeed's load raises its own
-    cmd = command(family, folder, vniah_set, out, f"model.variant={variant}", f"train.zero_stage={zero}",
+    cmd = command(family, folder, data, out, f"model.variant={variant}", f"train.zero_stage={zero}",
                   f"data.packing={str(packing).lower()}", f"train.steps={steps + 1}", "train.val_every=12",
                   "train.ckpt_every=12", "train.freeze=[]", *extra, "train.resume=auto", ranks=1)  # fmt: skip
     r = subprocess.run(cmd, cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=600)

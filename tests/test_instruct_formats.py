@@ -377,3 +377,42 @@ def test_a_set_of_broken_media_stops_with_a_clear_error(tmp_path, processor, med
         assert small[1] is not None and small[0] is None  # 1 of 2 left out: not more than half
         with pytest.raises(ValueError, match="2 of the 3 samples of annotations read in this process were left out"):
             small[0]
+
+
+# a learning rate per part -----------------------------------------------------------------------------------------
+@pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen3_vl"])
+def test_optimizer_groups_per_part(tiny_qwen_vl, family):
+    from types import SimpleNamespace
+
+    from transformers import AutoModelForImageTextToText
+
+    from train.engine import param_groups
+    from train.finetune import CausalLM, _with_parts
+
+    model = AutoModelForImageTextToText.from_pretrained(tiny_qwen_vl(family), local_files_only=True)
+    visual = model.model.visual
+    mergers = [visual.merger, *getattr(visual, "deepstack_merger_list", [])]
+    want = {"merger": {id(p) for m in mergers for p in m.parameters()},
+            "encoding": {id(p) for p in visual.pos_embed.parameters()} if hasattr(visual, "pos_embed") else set(),
+            "llm": {id(p) for p in [*model.model.language_model.parameters(), *model.lm_head.parameters()]}}
+    want["vision"] = {id(p) for p in visual.parameters()} - want["merger"] - want["encoding"]
+    assert (family == "qwen3_vl") == bool(want["encoding"])  # Qwen3-VL's vision tower learns a position table
+    train = SimpleNamespace(lr=1e-3, lr_parts={"vision": 1e-5, "merger": 3e-3, "encoding": 5e-2},
+                            weight_decay_parts={"llm": 0.1})  # fmt: skip
+    module = _with_parts(CausalLM(model=model), train)
+    groups = param_groups(module, 0.01)
+    opt = torch.optim.AdamW(groups, lr=train.lr)
+    seen = [id(p) for g in opt.param_groups for p in g["params"]]
+    assert len(seen) == len(set(seen)) == sum(1 for _ in model.parameters())  # each parameter in one group
+    lr = {"vision": 1e-5, "merger": 3e-3, "encoding": 5e-2, "llm": 1e-3}
+    for g in opt.param_groups:
+        assert {id(p) for p in g["params"]} <= want[g["part"]]
+        assert g["lr"] == lr[g["part"]]
+        decayed = any(p.ndim >= 2 and "pos_embed" not in n for n, p in module.named_parameters()
+                      if any(p is q for q in g["params"]))  # fmt: skip
+        assert g["weight_decay"] == ((0.1 if g["part"] == "llm" else 0.01) if decayed else 0.0)
+    parts = {g["part"] for g in opt.param_groups}
+    assert parts == {k for k, v in want.items() if v}
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 0.5)  # the schedule scales every part alike
+    assert [g["lr"] for g in opt.param_groups] == [0.5 * lr[g["part"]] for g in opt.param_groups]
+    del sched

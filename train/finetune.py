@@ -42,9 +42,11 @@ from torch import Tensor, nn
 
 from train.config import ConfigError
 
-__all__ = ["load_model", "CausalLM", "filler_item", "source_record", "freeze", "export", "main"]
+__all__ = ["load_model", "CausalLM", "filler_item", "source_record", "freeze", "export", "main", "part_of",
+           "part_groups"]  # fmt: skip
 
 FREEZE_PARTS = ("vision", "merger", "llm")
+LR_PARTS = ("vision", "merger", "llm", "encoding")
 
 
 def _fingerprint(folder: Path) -> str:
@@ -112,6 +114,68 @@ def freeze(model: nn.Module, parts: list[str]) -> dict[str, int]:
     trainable = sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters() if p.requires_grad)
     frozen = sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters() if not p.requires_grad)
     return {"trainable": trainable, "frozen": frozen}
+
+
+def part_of(name: str) -> str:
+    """The part of a Qwen-VL parameter (its dotted name in any wrapper): ``merger`` (the merger(s), Qwen3-VL's
+    deepstack mergers included), ``encoding`` (a position encoding's own parameters: the vision tower's learned
+    ``pos_embed`` table, rotary parameters), ``vision`` (the rest of the vision tower), ``llm`` (the decoder, its
+    adapters and the LM head).
+
+    Raises:
+        ValueError: the name belongs to none of them.
+    """
+    parts = name.split(".")
+    if "visual" in parts:
+        after = parts[parts.index("visual") + 1 :]
+        if after and after[0] in ("merger", "deepstack_merger_list"):
+            return "merger"
+        return "encoding" if "pos_embed" in after else "vision"
+    if "language_model" in parts or "lm_head" in parts:
+        return "encoding" if "rotary_emb" in parts else "llm"
+    raise ValueError(f"parameter {name!r} is in none of the parts {list(LR_PARTS)} (a Qwen-VL model's visual, "
+                     "language_model and lm_head)")  # fmt: skip
+
+
+def part_groups(module: nn.Module, decay: list, no_decay: list, weight_decay: float, *, lr: float,
+                lr_parts: dict, weight_decay_parts: dict) -> list[dict]:  # fmt: skip
+    """AdamW groups with a learning rate and weight decay per part (:func:`part_of`): the engine's decayed and
+    undecayed parameters (:func:`train.engine.param_groups`) split by part, in the order of :data:`LR_PARTS`.
+
+    A part missing from ``lr_parts`` / ``weight_decay_parts`` takes ``lr`` / ``weight_decay``; undecayed
+    parameters (biases, norms, ...) keep no decay. The cosine schedule scales every group's rate by the same
+    factor (``train.min_lr`` is a fraction ``min_lr / lr`` of each). Each group carries its ``part``; rank 0
+    prints one line per group.
+
+    Args:
+        module (nn.Module): the trained module (parameter names are read from it).
+        decay (list): the parameters that take weight decay.
+        no_decay (list): those that do not.
+        weight_decay (float): ``train.weight_decay``.
+        lr (float): ``train.lr``.
+        lr_parts (dict): ``train.lr_parts``, e.g. ``{"vision": 2e-6, "merger": 1e-5}``.
+        weight_decay_parts (dict): ``train.weight_decay_parts``.
+
+    Returns:
+        list[dict]: the non-empty groups (``params``, ``lr``, ``weight_decay``, ``part``).
+    """
+    import torch.distributed as dist
+
+    names = {id(p): n for n, p in module.named_parameters()}
+    groups = []
+    for decays, params in ((True, decay), (False, no_decay)):
+        for part in LR_PARTS:
+            chosen = [p for p in params if part_of(names[id(p)]) == part]
+            if chosen:
+                wd = float(weight_decay_parts.get(part, weight_decay)) if decays else 0.0
+                groups.append({"params": chosen, "lr": float(lr_parts.get(part, lr)), "weight_decay": wd,
+                               "part": part})  # fmt: skip
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        for g in groups:
+            n = sum(getattr(p, "ds_numel", p.numel()) for p in g["params"])
+            print(f"[train] parameter group {g['part']}: lr {g['lr']:g}, weight decay {g['weight_decay']:g}, "
+                  f"{n:,} parameters", flush=True)  # fmt: skip
+    return groups
 
 
 def load_model(cfg, ds_config: dict | None):
@@ -346,6 +410,15 @@ def check_keys(folder: Path, source: Path) -> None:
         )
 
 
+def _with_parts(module: nn.Module, t) -> nn.Module:
+    """``module`` whose optimizer groups are split by part (:func:`part_groups`) when ``train.lr_parts`` or
+    ``train.weight_decay_parts`` is set (the engine calls its ``split_groups``)."""
+    if t.lr_parts or t.weight_decay_parts:
+        module.split_groups = lambda decay, no_decay, wd: part_groups(
+            module, decay, no_decay, wd, lr=t.lr, lr_parts=t.lr_parts, weight_decay_parts=t.weight_decay_parts)
+    return module
+
+
 def main(cfg, raw: dict) -> None:
     """The fine-tuning run of ``cfg`` (a ``train/vlm.py`` config with ``model.hf_model`` set)."""
     from data.hf_batch import InstructCollator
@@ -358,7 +431,8 @@ def main(cfg, raw: dict) -> None:
 
     d, t = cfg.data, cfg.train
     if not d.annotations:
-        raise ConfigError("model.hf_model needs data.annotations (a LLaVA-format JSON / JSONL file)")
+        raise ConfigError("model.hf_model needs data.annotations (a JSON / JSONL file in the llava, sharegpt or qwen "
+                          "format, see data/instruct/annotations.py)")
     rank, world, device = setup_distributed()
     check_world(t.sequence_parallel, world)  # sequence parallelism: refused before the model loads
     ds_cfg = deepspeed_config(t, cfg.deepspeed, world=world, device=device)
@@ -367,7 +441,10 @@ def main(cfg, raw: dict) -> None:
     family = patch.family
     common = dict(media_root=d.media_root or str(Path(d.annotations).resolve().parent), processor=processor,
                   family=family, fps=d.fps, max_frames=d.max_frames, min_pixels=d.min_pixels,
-                  max_pixels=d.max_pixels, max_length=d.max_length, max_skipped=d.max_skipped)  # fmt: skip
+                  max_pixels=d.max_pixels, max_length=d.max_length, max_skipped=d.max_skipped,
+                  max_skipped_fraction=d.max_skipped_fraction, format=d.format, nframes=d.nframes,
+                  allow_outside_root=d.allow_outside_root, image_max_pixels=d.image_max_pixels,
+                  video_max_pixels=d.video_max_pixels)  # fmt: skip
     try:
         train_set = InstructDataset(annotations=d.annotations, **common)
         val_set = InstructDataset(annotations=d.val_annotations, **common) if d.val_annotations else None
@@ -408,7 +485,7 @@ def main(cfg, raw: dict) -> None:
     if t.sequence_parallel > 1:  # a resume with another sequence-parallel size is refused, naming both
         run_config["sequence_parallel"] = t.sequence_parallel
     fit(
-        model=wrap(model, t.sequence_parallel),  # CausalLM, or its sequence-parallel form
+        model=_with_parts(wrap(model, t.sequence_parallel), t),  # CausalLM, or its sequence-parallel form
         train=t,
         deepspeed_overrides=cfg.deepspeed,
         train_set=train_set,

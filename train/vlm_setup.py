@@ -71,6 +71,8 @@ class VLMTrainSection(TrainSection):
 
     gradient_checkpointing: bool = False
     freeze: list[str] = field(default_factory=list)  # any of vision, merger, llm
+    lr_parts: dict = field(default_factory=dict)  # a learning rate per part: vision, merger, llm, encoding
+    weight_decay_parts: dict = field(default_factory=dict)  # a weight decay per part (same names)
     sequence_parallel: int = 1  # ranks sharing each sample's sequence (Ulysses; train/sequence_parallel.py)
 
 
@@ -99,6 +101,12 @@ class DataSection:
     max_length: int | None = None  # longer samples are dropped and counted; a packed row's budget
     packing: bool = False  # pack samples into rows (cu_seqlens)
     max_skipped: int = 100  # unreadable media files tolerated (skipped and counted)
+    max_skipped_fraction: float = 0.5  # stop when more of the samples read were left out (1: never)
+    format: Literal["auto", "llava", "sharegpt", "qwen"] = "auto"  # annotation format (auto: detected per file)
+    allow_outside_root: bool = False  # read media paths that lead outside data.media_root
+    nframes: int | None = None  # frames per video, spread uniformly (instead of data.fps up to data.max_frames)
+    image_max_pixels: int | None = None  # per-kind budgets replacing data.max_pixels
+    video_max_pixels: int | None = None
 
 
 @dataclass(kw_only=True)
@@ -124,8 +132,9 @@ _TINY_ONLY = {
 _HF_ONLY = {
     "model": ("scaling", "lora"),
     "data": ("annotations", "val_annotations", "media_root", "max_frames", "min_pixels", "max_pixels", "max_length",
-             "packing", "max_skipped"),
-    "train": ("gradient_checkpointing", "freeze", "sequence_parallel"),
+             "packing", "max_skipped", "max_skipped_fraction", "format", "allow_outside_root", "nframes",
+             "image_max_pixels", "video_max_pixels"),
+    "train": ("gradient_checkpointing", "freeze", "sequence_parallel", "lr_parts", "weight_decay_parts"),
 }  # fmt: skip
 
 
@@ -164,6 +173,20 @@ def check_mode(cfg: "VLMConfig") -> None:
             raise ConfigError(f"data.max_skipped must be >= 0, got {cfg.data.max_skipped}")
         if cfg.data.fps <= 0:
             raise ConfigError(f"data.fps must be > 0, got {cfg.data.fps}")
+        if not 0 <= cfg.data.max_skipped_fraction <= 1:
+            raise ConfigError(f"data.max_skipped_fraction must lie in [0, 1] (1: never stop), got "
+                              f"{cfg.data.max_skipped_fraction}")  # fmt: skip
+        if cfg.data.nframes is not None and cfg.data.nframes < 2:
+            raise ConfigError(f"data.nframes must be >= 2 (a temporal patch is 2 frames) or null, got "
+                              f"{cfg.data.nframes}")  # fmt: skip
+        for key, least in (("lr_parts", "> 0"), ("weight_decay_parts", ">= 0")):
+            for part, value in getattr(cfg.train, key).items():
+                if part not in (*parts, "encoding"):
+                    raise ConfigError(f"train.{key}: unknown part {part!r}; choose any of {[*parts, 'encoding']} "
+                                      f"(e.g. train.{key}={{vision: 2.0e-6, merger: 1.0e-5}})")  # fmt: skip
+                number = isinstance(value, (int, float)) and not isinstance(value, bool)
+                if not number or not (value > 0 if least == "> 0" else value >= 0):
+                    raise ConfigError(f"train.{key}.{part} must be a number {least}, got {value!r}")
         if cfg.model.lora.enabled and cfg.train.zero_stage == 3:
             raise ConfigError(
                 "model.lora.enabled=true needs train.zero_stage 0, 1 or 2, got 3: the adapters are merged into "
