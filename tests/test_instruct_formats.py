@@ -416,3 +416,24 @@ def test_optimizer_groups_per_part(tiny_qwen_vl, family):
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 0.5)  # the schedule scales every part alike
     assert [g["lr"] for g in opt.param_groups] == [0.5 * lr[g["part"]] for g in opt.param_groups]
     del sched
+
+
+def test_the_new_keys_are_checked_when_the_config_is_read():
+    from train.config import ConfigError, load_config
+    from train.vlm_setup import VLMConfig
+
+    base = ["model.hf_model=folder"]
+    cfg = load_config(VLMConfig, "configs/hf/qwen2_vl.yaml", [*base, "train.lr_parts={vision: 2.0e-6, merger: 1e-5}"])
+    assert cfg.train.lr_parts == {"vision": 2e-6, "merger": 1e-5} and cfg.data.format == "auto"
+    for override, message in (("train.lr_parts={eyes: 1.0}", "train.lr_parts: unknown part 'eyes'; choose any of "
+                                                              "['vision', 'merger', 'llm', 'encoding']"),
+                              ("train.lr_parts={llm: 0}", "train.lr_parts.llm must be a number > 0"),
+                              ("train.weight_decay_parts={llm: -1}",
+                               "train.weight_decay_parts.llm must be a number >= 0"),
+                              ("data.format=alpaca", "is not one of ['auto', 'llava', 'sharegpt', 'qwen']"),
+                              ("data.max_skipped_fraction=2", "data.max_skipped_fraction must lie in [0, 1]"),
+                              ("data.nframes=1", "data.nframes must be >= 2")):  # fmt: skip
+        with pytest.raises(ConfigError, match=re.escape(message)):
+            load_config(VLMConfig, "configs/hf/qwen2_vl.yaml", [*base, override])
+    with pytest.raises(ConfigError, match=re.escape("data.allow_outside_root applies to fine-tuning a checkpoint")):
+        load_config(VLMConfig, "configs/mrope.yaml", ["data.allow_outside_root=true"])  # the small VLM

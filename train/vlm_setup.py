@@ -14,7 +14,7 @@ from typing import Literal
 
 from torch.utils.data import Dataset
 
-from train.config import ConfigError
+from train.config import _EXPONENT_FLOAT, ConfigError
 from train.engine import TrainSection
 
 __all__ = [
@@ -181,6 +181,8 @@ def check_mode(cfg: "VLMConfig") -> None:
                               f"{cfg.data.nframes}")  # fmt: skip
         for key, least in (("lr_parts", "> 0"), ("weight_decay_parts", ">= 0")):
             for part, value in getattr(cfg.train, key).items():
+                if isinstance(value, str) and _EXPONENT_FLOAT.fullmatch(value.strip()):
+                    value = getattr(cfg.train, key)[part] = float(value)  # YAML 1.1 reads 1e-5 as a string
                 if part not in (*parts, "encoding"):
                     raise ConfigError(f"train.{key}: unknown part {part!r}; choose any of {[*parts, 'encoding']} "
                                       f"(e.g. train.{key}={{vision: 2.0e-6, merger: 1.0e-5}})")  # fmt: skip
