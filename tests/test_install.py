@@ -155,3 +155,52 @@ def test_outputs_default_to_outputs_not_results():
             assert "outputs" in default or default.strip() == "None", f"{path.name}: --out default {default}"
             assert "results" not in default, f"{path.name}: --out default {default}"
     assert found >= 8
+
+
+def _fake_tools(tmp_path: Path, *, uid: int, sudo: bool) -> tuple[dict[str, str], Path]:
+    """A PATH of the tools scripts/setup.sh calls, with dpkg (every package missing), apt-get, sudo and id faked to
+    log their calls, and a .venv whose stamp matches the checkout (no pip run) and whose python logs its calls."""
+    import hashlib
+
+    bin_dir, log = tmp_path / "bin", tmp_path / "calls.log"
+    bin_dir.mkdir(parents=True)
+    for tool in ("bash", "cat", "sha256sum", "cut", "dirname"):
+        os.symlink(shutil.which(tool), bin_dir / tool)
+    fakes = {"dpkg": "exit 1", "apt-get": "exit 0", "id": f"echo {uid}", **({"sudo": '"$@"'} if sudo else {})}
+    for tool, body in fakes.items():
+        (bin_dir / tool).write_text(f"#!{shutil.which('bash')}\necho {tool} \"$@\" >> {log}\n{body}\n")
+        (bin_dir / tool).chmod(0o755)
+    venv_dir = tmp_path / "venv"
+    (venv_dir / "bin").mkdir(parents=True)
+    (venv_dir / "bin" / "python").write_text(f"#!{shutil.which('bash')}\necho python \"$@\" >> {log}\n")
+    (venv_dir / "bin" / "python").chmod(0o755)
+    digest = hashlib.sha256((ROOT / "requirements.txt").read_bytes() + (ROOT / "pyproject.toml").read_bytes())
+    (venv_dir / ".vlpe-installed").write_text(digest.hexdigest() + "\n")
+    return {"PATH": str(bin_dir), "VENV": str(venv_dir), "HOME": str(tmp_path)}, log
+
+
+def test_setup_of_the_venv_alone_needs_no_root(tmp_path):
+    env, log = _fake_tools(tmp_path, uid=1000, sudo=False)
+    r = subprocess.run(["bash", str(ROOT / "scripts" / "setup.sh"), "python"], env=env, capture_output=True,
+                       text=True, timeout=60)  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    calls = log.read_text().splitlines()
+    assert calls == ["python scripts/link_checkout.py"], calls  # no dpkg, apt-get or sudo
+    assert "@bash scripts/setup.sh python" in (ROOT / "Makefile").read_text().split("setup:", 1)[1].split("\n\n")[0]
+
+
+def test_the_data_packages_without_root_or_sudo_are_a_clear_error(tmp_path):
+    env, log = _fake_tools(tmp_path, uid=1000, sudo=False)
+    r = subprocess.run(["bash", str(ROOT / "scripts" / "setup.sh")], env=env, capture_output=True, text=True,
+                       timeout=60)  # fmt: skip
+    assert r.returncode == 1
+    assert "is not root and has no sudo; ask an administrator to run 'apt-get install dataset-fashion-mnist" in r.stderr
+    assert "fine-tuning need none of them (make setup sets up the .venv alone)" in r.stderr
+    assert not any(c.startswith("apt-get") for c in log.read_text().splitlines())
+    env, log = _fake_tools(tmp_path / "sudo", uid=1000, sudo=True)  # with sudo: through it, after the venv
+    r = subprocess.run(["bash", str(ROOT / "scripts" / "setup.sh")], env=env, capture_output=True, text=True,
+                       timeout=60)  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    calls = log.read_text().splitlines()
+    assert calls[-1] == "python scripts/link_checkout.py"
+    assert "sudo apt-get update -qq" in calls and calls.index("sudo apt-get update -qq") > 0
