@@ -95,6 +95,10 @@ def test_offload_the_stage_does_not_do_is_refused_before_launch(no_process_group
                          "deepspeed.zero_optimization.offload_param.device=cpu"])  # fmt: skip
     parse(PointsConfig, ["--config", CONFIG, "train.zero_stage=2", "deepspeed.zero_optimization.offload_param."
                          "device=none"])  # fmt: skip
+    parse(PointsConfig, ["--config", CONFIG, "train.zero_stage=2", "deepspeed.zero_optimization.cpu_offload=true"])
+    for value, said in (("foo", "'foo'"), ("true", "True")):  # DeepSpeed's boolean form would drop train.zero_stage
+        with pytest.raises(ConfigError, match=f"deepspeed.zero_optimization must be a mapping.*got {said};"):
+            parse(PointsConfig, ["--config", CONFIG, f"deepspeed.zero_optimization={value}"])
 
 
 def test_wandb_monitor_without_wandb_names_the_extra_before_launch(tmp_path, monkeypatch, no_process_group):

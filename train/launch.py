@@ -155,6 +155,7 @@ def deepspeed_config(train: TrainSection, overrides: dict, *, world: int, device
         cfg["torch_autocast"] = {"enabled": True, "dtype": "torch.bfloat16"}
     _check_owned_values(train, overrides or {})
     cfg = _deep_merge(cfg, overrides or {})
+    _check_zero_section(cfg)
     _check_deepspeed_keys(cfg, overrides or {}, world=world)
     _refuse_unsafe_loading(cfg)
     _check_offload(cfg, train)
@@ -276,6 +277,17 @@ def offload_devices(cfg: dict) -> tuple[str, str]:
         return str(getattr(value, "value", value))  # an enum member or, as DeepSpeed stores it, its value
 
     return device(zero.offload_optimizer), device(zero.offload_param)
+
+
+def _check_zero_section(cfg: dict) -> None:
+    """``ConfigError`` for a ``zero_optimization`` that is not a mapping (DeepSpeed's deprecated boolean form would
+    replace the stage ``train.zero_stage`` sets)."""
+    zero = cfg.get("zero_optimization")
+    if not isinstance(zero, dict):
+        raise ConfigError(
+            f"deepspeed.zero_optimization must be a mapping of ZeRO settings, e.g. "
+            f"{{offload_optimizer: {{device: cpu}}}}, got {zero!r}; the stage comes from train.zero_stage"
+        )
 
 
 def _check_offload(cfg: dict, train: TrainSection) -> None:
