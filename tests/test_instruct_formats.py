@@ -437,3 +437,38 @@ def test_the_new_keys_are_checked_when_the_config_is_read():
             load_config(VLMConfig, "configs/hf/qwen2_vl.yaml", [*base, override])
     with pytest.raises(ConfigError, match=re.escape("data.allow_outside_root applies to fine-tuning a checkpoint")):
         load_config(VLMConfig, "configs/mrope.yaml", ["data.allow_outside_root=true"])  # the small VLM
+
+
+# progress in a redirected log -------------------------------------------------------------------------------------
+def test_progress_in_a_log_file_is_lines_not_a_redrawn_bar(tmp_path):
+    import io
+
+    from train.progress import LineProgress, progress
+
+    with open(tmp_path / "run.log", "w") as log:
+        bar = progress(total=300, initial=0, desc="train run", file=log)
+        assert isinstance(bar, LineProgress)
+        for step in range(300):
+            bar.update(1)
+            bar.set_postfix(loss=f"{1 / (step + 1):.4f}")
+        bar.write("[val] step 300: accuracy=1.0000")
+        bar.close()
+    text = (tmp_path / "run.log").read_text()
+    assert "\r" not in text
+    lines = text.splitlines()
+    assert len(lines) == 21 and len(text) < 2000  # a line every 15 steps, and the val line
+    assert lines[0].startswith("train run: step 15/300 (5%)") and lines[-2].startswith("train run: step 300/300 (100%)")
+    assert lines[-2].endswith("loss=0.0033")
+    resumed = io.StringIO()
+    bar = LineProgress(total=10, initial=7, desc="r", every=4, file=resumed)
+    for _ in range(3):
+        bar.update(1)
+    assert [ln.split(" (")[0] for ln in resumed.getvalue().splitlines()] == ["r: step 8/10", "r: step 10/10"]
+
+    class Tty(io.StringIO):
+        def isatty(self):
+            return True
+
+    from tqdm import tqdm
+
+    assert isinstance(progress(total=3, initial=0, desc="t", file=Tty()), tqdm)  # a terminal keeps its bar

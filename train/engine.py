@@ -11,8 +11,8 @@ here). gloo on CPU, NCCL on GPU. The pieces:
 * :class:`ResumableBatchSampler` + :class:`SeededDataset`: the data order and every sample's augmentation
   are functions of (seed, step), so a resumed run sees exactly the batches an uninterrupted run would:
   :mod:`train.data_order`;
-* :func:`fit`: the loop, with JSON-lines metrics, tqdm on rank 0, validation every N steps, checkpoints
-  every N steps (model, optimizer, scheduler, data position, RNG, the model signature) and a safetensors
+* :func:`fit`: the loop, with JSON-lines metrics, tqdm on rank 0 (periodic lines when stderr is not a terminal:
+  :mod:`train.progress`), validation every N steps, checkpoints every N steps (model, optimizer, scheduler, data position, RNG, the model signature) and a safetensors
   export at the end (the model signature in its metadata), whose path it prints. With
   ``deepspeed.tensorboard.enabled=true`` every metrics record also goes to DeepSpeed's monitor
   (:func:`monitor_events`; events under ``<out_dir>/tensorboard`` unless ``output_path`` / ``job_name`` say
@@ -261,10 +261,10 @@ def fit(
     )
     result = FitResult(step=start, out_dir=out_dir)
     bar = None
-    if rank == 0 and train.progress:
-        from tqdm import tqdm
+    if rank == 0 and train.progress:  # a bar on a terminal, periodic lines in a redirected log
+        from .progress import progress
 
-        bar = tqdm(total=train.steps, initial=start, desc=f"train {out_dir.name}", dynamic_ncols=True)
+        bar = progress(total=train.steps, initial=start, desc=f"train {out_dir.name}")
 
     def log(record: dict) -> None:
         result.metrics.append(record)
