@@ -12,7 +12,8 @@ here). gloo on CPU, NCCL on GPU. The pieces:
   are functions of (seed, step), so a resumed run sees exactly the batches an uninterrupted run would:
   :mod:`train.data_order`;
 * :func:`fit`: the loop, with JSON-lines metrics, tqdm on rank 0 (periodic lines when stderr is not a terminal:
-  :mod:`train.progress`), validation every N steps, checkpoints every N steps (model, optimizer, scheduler, data position, RNG, the model signature) and a safetensors
+  :mod:`train.progress`), validation every N steps, checkpoints every N steps (model, optimizer, scheduler,
+  data position, RNG, the model signature) and a safetensors
   export at the end (the model signature in its metadata), whose path it prints. With
   ``deepspeed.tensorboard.enabled=true`` every metrics record also goes to DeepSpeed's monitor
   (:func:`monitor_events`; events under ``<out_dir>/tensorboard`` unless ``output_path`` / ``job_name`` say
