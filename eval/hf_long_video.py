@@ -134,6 +134,18 @@ def prompt_and_options(hf: HFModel, question: str, options: Sequence[str]) -> tu
     empty = [o for o, i in zip(options, ids) if not i]
     if empty:
         raise ValueError(f"the tokenizer maps the options {empty} to no tokens; they cannot be scored")
+    unk = tok.unk_token_id
+    unknown = [o for o, i in zip(options, ids) if unk is not None and unk in i]
+    if unknown:
+        raise ValueError(
+            f"{hf.path}: the tokenizer cannot encode the answer word(s) {unknown}: they become {tok.unk_token}, so "
+            "those options would be scored alike and the table would not tell models apart; evaluate with a "
+            "tokenizer that knows them (a word-level tokenizer needs them in its vocabulary)"
+        )
+    same = [o for k, (o, i) in enumerate(zip(options, ids)) if i in ids[:k]]
+    if same:
+        raise ValueError(f"{hf.path}: the tokenizer encodes the option(s) {same} like an earlier option; they cannot "
+                         "be told apart")  # fmt: skip
     return prompt, ids
 
 

@@ -183,3 +183,21 @@ def test_a_report_mixing_trained_runs_and_checkpoint_folders_has_a_table_per_sco
                                                      "V-NIAH, multiple choice"]  # fmt: skip
     assert "trained" in sections[0] and hf["name"] not in sections[0]
     assert hf["name"] in sections[2] and "| trained |" not in sections[2]
+
+
+def test_answer_words_the_tokenizer_cannot_encode_are_refused(tmp_path):
+    import re
+
+    from models.tiny_qwen_vl import save_tiny_qwen_vl
+
+    folder = save_tiny_qwen_vl("qwen2_vl", tmp_path / "tiny", texts=[QUESTIONS["needle"], "cat"], frame=28)
+    hf = hf_long_video.load_hf_model(folder, variant="none")
+    options = list(PHOTO_NEEDLES.values())
+    missing = [o for o in options if o != "cat"]
+    with pytest.raises(ValueError, match=re.escape(f"cannot encode the answer word(s) {missing}: they become")):
+        hf_long_video.prompt_and_options(hf, QUESTIONS["needle"], options)
+    with pytest.raises(ValueError, match=r"the tokenizer cannot encode the answer word\(s\)"):
+        hf_long_video.evaluate_hf(folder, [2], [0.5], variant="none", tasks=("v_niah",), samples_per_cell=1,
+                                  haystack="procedural", frame_size=FRAME, progress=False)  # fmt: skip
+    with pytest.raises(ValueError, match=re.escape("encodes the option(s) ['cat'] like an earlier option")):
+        hf_long_video.prompt_and_options(hf, QUESTIONS["needle"], ["cat", "cat"])
