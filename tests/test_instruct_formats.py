@@ -472,3 +472,27 @@ def test_progress_in_a_log_file_is_lines_not_a_redrawn_bar(tmp_path):
     from tqdm import tqdm
 
     assert isinstance(progress(total=3, initial=0, desc="t", file=Tty()), tqdm)  # a terminal keeps its bar
+
+
+@pytest.mark.slow
+def test_a_fine_tune_on_broken_media_stops_with_a_clear_error(tiny_qwen_vl, tmp_path):
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    for k in range(24):
+        (tmp_path / f"v{k}.mp4").write_bytes(b"not a video" * 50)
+    samples = [{"messages": [{"role": "user", "content": "<video>What item is shown in red?"},
+                             {"role": "assistant", "content": "cat"}], "videos": [f"v{k}.mp4"]} for k in range(24)]
+    _write(tmp_path / "train.jsonl", samples, jsonl=True)
+    root = Path(__file__).resolve().parents[1]
+    cmd = [sys.executable, "train/vlm.py", "--config", "configs/hf/qwen2_vl.yaml",
+           f"model.hf_model={tiny_qwen_vl('qwen2_vl')}", f"data.annotations={tmp_path / 'train.jsonl'}",
+           "train.steps=20", "train.micro_batch=4", "train.grad_accum=1", "train.num_workers=0", "train.zero_stage=2",
+           "train.progress=false", "train.gradient_checkpointing=false", f"train.out_dir={tmp_path / 'run'}"]
+    r = subprocess.run(cmd, cwd=root, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True,
+                       timeout=600)  # fmt: skip
+    assert r.returncode != 0, r.stdout[-2000:]
+    assert "16 of the 16 samples of train.jsonl read in this process were left out, more than " \
+           "max_skipped_fraction=0.5: 16 media file(s) unreadable" in r.stderr, r.stderr[-3000:]  # fmt: skip
+    assert not (tmp_path / "run" / "hf").exists()  # no export of an unchanged model
