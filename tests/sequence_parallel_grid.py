@@ -13,6 +13,7 @@ show the comparison catches it.
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import sys
@@ -67,7 +68,7 @@ def load(folder: Path, variant: str, attn: str):
 
 
 def batches(family: str, folder: Path, data: dict, processor, model, packing: bool) -> list[dict]:
-    """STEPS batches of 2 samples each; the first one :func:`fits`."""
+    """STEPS batches of 3 samples each; the first one :func:`fits`."""
     from data.hf_batch import InstructCollator
     from data.instruct import InstructDataset
     from train.finetune import filler_item
@@ -82,19 +83,30 @@ def batches(family: str, folder: Path, data: dict, processor, model, packing: bo
                                filler=filler_item(processor))  # fmt: skip
     items = [ds[i] for i in range(len(ds))]
     # the first batch: a row of odd length (padded for the 2 shards) whose video block straddles the shard boundary
-    pairs = [(i, j) for i in range(len(items)) for j in range(i + 1, len(items))]
-    first = next(pair for pair in pairs if fits(collate([items[k] for k in pair])))
+    first = next(c for c in itertools.combinations(range(len(items)), 3) if fits(collate([items[k] for k in c])))
     rest = [k for k in range(len(items)) if k not in first]
-    return [collate([items[k] for k in first])] + [collate([items[rest[2 * k]], items[rest[2 * k + 1]]])
-                                                  for k in range(STEPS - 1)]  # fmt: skip
+    return [collate([items[k] for k in first])] + [collate([items[k] for k in rest[3 * j : 3 * j + 3]])
+                                                  for j in range(STEPS - 1)]  # fmt: skip
 
 
 def straddles(batch: dict) -> bool:
-    """Whether one video block of the batch has tokens on both sides of the 2-rank shard boundary (the tokens
-    right before and right after it are video tokens of one row)."""
+    """Whether the video of one sample has tokens on both sides of the 2-rank shard boundary (its last video token
+    before the boundary and its first one after it belong to the same sample; every sample here has at most one
+    video, on Qwen3-VL a run of frame blocks with timestamps between them)."""
     types = batch["mm_token_type_ids"]  # (B, S)
-    half = (types.shape[1] + 1) // 2
-    return bool(((types[:, half - 1] == 2) & (types[:, half] == 2)).any())
+    B, S = types.shape
+    half = (S + 1) // 2
+    if "cu_seqlens" in batch:  # (B, S) packed sample of every slot
+        flat = torch.arange(B * S).view(B, S)
+        seg = torch.searchsorted(batch["cu_seqlens"].long(), flat, right=True) - 1
+    else:
+        seg = torch.arange(B)[:, None].expand(B, S)
+    for r in range(B):
+        before = (types[r, :half] == 2).nonzero().flatten()
+        after = (types[r, half:] == 2).nonzero().flatten() + half
+        if len(before) and len(after) and seg[r, before[-1]] == seg[r, after[0]]:
+            return True
+    return False
 
 
 def fits(batch: dict) -> bool:

@@ -11,11 +11,13 @@ its group):
   ``cu_seqlens``) on the whole (packed) row, and every rank runs the embedding and the vision tower on whole images
   and videos, so no id and no vision block depends on where a shard boundary falls.
 * A forward pre-hook of the text model (registered after the vlpe patch's own, which has turned the ids into the
-  packed ``(1 + rows, B, S)`` tensor) pads the row to a multiple of ``N`` (padding slots are text position 0,
-  segments of their own, after every real token), builds the attention mask of the whole padded row with
-  transformers' own mask builder (what the unsharded text model builds: padding, packed samples), then keeps this
-  rank's contiguous shard of ``inputs_embeds``, of the LAST dim of the position ids, and of Qwen3-VL's deepstack
-  inputs.
+  packed ``(1 + rows, B, S)`` tensor) pads the row to a multiple of ``N``, builds the attention mask of the whole
+  padded row with transformers' own mask builder (what the unsharded text model builds: padding, packed samples),
+  then keeps this rank's contiguous shard of ``inputs_embeds``, of the LAST dim of the position ids, and of
+  Qwen3-VL's deepstack inputs. The padding slots follow every real token of the row and continue its last sample
+  (text positions go on, the padding mask marks them present), so the causal mask keeps them out of every real
+  token's attention without a dense mask where none was needed (one unpadded row stays plain causal); their labels
+  are ignored.
 * Every decoder attention runs :func:`ulysses_attention`: an all-to-all turns the ``(B, H, S / N, D)`` sequence
   shards of the queries, keys and values into ``(B, H / N, S, D)`` head shards, the base attention (sdpa / eager)
   runs on the whole sequence with the whole-row mask, and a second all-to-all turns the output back into sequence
@@ -273,10 +275,12 @@ class SequenceParallel:
             mask = None  # a block-diagonal mask of the patch: rebuilt below from the (padded) text row
         B, S, _ = embeds.shape
         pad = (-S) % self.size
-        if pad:
+        if pad:  # after every real token: causality keeps it out of their attention; its labels are ignored
             embeds = F.pad(embeds, (0, 0, 0, pad))  # (B, S', C)
-            pos = F.pad(pos, (0, pad))  # (R, B, S'): text position 0, a segment of its own
-            mask = None if mask is None else F.pad(mask, (0, pad))
+            pos = F.pad(pos, (0, pad))  # (R, B, S')
+            step = torch.arange(1, pad + 1, device=pos.device, dtype=pos.dtype)
+            pos[0, :, S:] = pos[0, :, S - 1 : S] + step  # the text row goes on: no new segment, no dense mask
+            mask = None if mask is None else F.pad(mask, (0, pad), value=1)
         text_row = pos[0].long() if mask is None else None  # packed rows: segments from the text row
         full = create_causal_mask(config=module.config, inputs_embeds=embeds, attention_mask=mask, cache=None,
                                   position_ids=text_row)  # fmt: skip
