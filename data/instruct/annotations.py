@@ -32,8 +32,8 @@ ignored. Every problem raises :class:`AnnotationError` naming the file, the samp
 
 :func:`parse_sample` turns a sample of any format into the one form the dataset reads: ``{"id": ..., "format":
 ..., "messages": [{"role": "system" | "user" | "assistant", "content": [items]}]}`` with items ``{"type": "text",
-"text": ...}``, ``{"type": "image", "image": path}`` and ``{"type": "video", "video": path}`` or ``{"type": "video", "frames":
-[paths]}`` (plus the item's own settings); adjacent text items are joined. A sample of one format and the same
+"text": ...}``, ``{"type": "image", "image": path}`` and ``{"type": "video", "video": path}`` or ``{"type":
+"video", "frames": [paths]}`` (plus the item's own settings); adjacent text items are joined. A sample of one format and the same
 sample written in another parse to equal messages.
 """
 
