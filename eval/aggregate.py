@@ -219,6 +219,32 @@ def _claim_values(cl: Claim, conds, rows, sel, seeds: list[int], **kw) -> Cell:
     return paired(a, b, w, **kw)
 
 
+def claim_differences(records: dict[str, Sequence[dict]], claims: Sequence[Claim], *,
+                      records_of: str) -> list[dict[int, float]]:  # fmt: skip
+    """Per claim, the per-seed differences ``{seed: points}`` on its metric over every seed common to its two rows,
+    from the records of claims protocol ``records_of`` (:func:`sequential.select_records`); ``{}`` when a row is
+    missing. No decision: what a sensitivity analysis reads."""
+    used, _ = select_records(records, current=records_of)
+    cache: dict[str, tuple] = {}
+    out = []
+    for cl in claims:
+        recs = used.get(cl.family) or []
+        if not recs:
+            out.append({})
+            continue
+        if cl.family not in cache:
+            conds, rows = family_matrices(cl.family, recs)
+            cache[cl.family] = (conds, rows, family_selectors(cl.family, conds, _meta(cl.family, recs)))
+        conds, rows, sel = cache[cl.family]
+        seeds = sorted(set(rows.get(cl.better, {})) & set(rows.get(cl.other, {})))
+        if not seeds:
+            out.append({})
+            continue
+        c = _claim_values(cl, conds, rows, sel, seeds, reps=2)
+        out.append(dict(zip(seeds, (100 * v for v in c["per_seed"]))))
+    return out
+
+
 def failed_runs(cl: Claim, records: Sequence[dict], seeds: Sequence[int]) -> list[dict[str, Any]]:
     """The runs behind ``cl``'s two rows at ``seeds`` whose last validation accuracy is below the family's floor
     (:data:`claims.FAILED_RUN_FLOORS`): ``{"encoding", "seed", "validation"}`` each. Under the design's
@@ -237,15 +263,17 @@ def failed_runs(cl: Claim, records: Sequence[dict], seeds: Sequence[int]) -> lis
 
 
 def evaluate_claims(records: dict[str, Sequence[dict]], claims: Sequence[Claim] = CLAIMS, *,
-                    reps: int | None = None, design: Design = DESIGN) -> list[dict[str, Any]]:  # fmt: skip
+                    reps: int | None = None, design: Design = DESIGN,
+                    records_of: str | None = None) -> list[dict[str, Any]]:  # fmt: skip
     """One entry per registered claim, in points: the sequential decision (:func:`sequential.decide`) from the
     records of the current claims protocol (:func:`sequential.select_records`; the refused ones are listed in
     ``refused`` of every entry's family), with ``diff``, ``ci95`` (95 % t interval), ``ci95_bootstrap``,
     ``per_seed``, ``seed_sd`` over the seeds of the look the verdict was reached at. Rows or families not measured
-    give ``verdict: "not measured"`` with the reason."""
+    give ``verdict: "not measured"`` with the reason. ``records_of``: the claims protocol whose records are read
+    (default: the one of ``claims`` and ``design``; a sensitivity analysis reads the registered protocol's)."""
     kw = {} if reps is None else {"reps": reps}
     fp = fingerprint(tuple(claims), design)
-    used, refused = select_records(records, design=design, current=fp)
+    used, refused = select_records(records, design=design, current=records_of or fp)
     cache: dict[str, tuple] = {}
     bases, per_seed, reasons, row_seeds = [], [], [], []
     for cl in claims:

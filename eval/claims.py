@@ -30,7 +30,7 @@ import json
 from dataclasses import asdict, dataclass
 
 __all__ = ["Claim", "Design", "CLAIMS", "DESIGN", "LEGACY_ADOPTED_BY", "MARGINS", "CAPS", "FAILED_RUN_FLOORS",
-           "fingerprint"]
+           "SENSITIVITY", "sensitivity_claims", "fingerprint"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -205,6 +205,23 @@ CLAIMS: tuple[Claim, ...] = (
          better="mhrope", other="mrope", metric="near",
          described="V-NIAH at 2-8x the training length, MHRoPE minus MRoPE"),
 )  # fmt: skip
+
+
+#: Sensitivity analyses, named after the data were seen: each re-reads some claims on another metric of the same
+#: rows and re-runs the whole design (looks, Holm across all the claims, TOST) on the same records. Their verdicts
+#: are shown beside the registered ones, never instead of them (:func:`sensitivity_claims`).
+SENSITIVITY = {
+    "extrapolated": ("the V-NIAH claims read the whole range beyond the training length (2-32x) instead of the "
+                     "registered 2-8x", {"near": "extrapolated", "v_niah_d_near": "v_niah_d_extrapolated"}),
+}  # fmt: skip
+
+
+def sensitivity_claims(name: str, claims: tuple[Claim, ...] = CLAIMS) -> tuple[Claim, ...]:
+    """The registered claims with the metrics of :data:`SENSITIVITY` ``[name]`` replaced (the others as they are)."""
+    from dataclasses import replace
+
+    _, swap = SENSITIVITY[name]
+    return tuple(replace(c, metric=swap[c.metric]) if c.metric in swap else c for c in claims)
 
 
 def _check(claims: tuple[Claim, ...], design: Design) -> None:

@@ -5,6 +5,7 @@
     python eval/report.py --suite --families vlm --encodings mrope videorope --seeds 2   # a subset
     python eval/report.py                        # rewrite results/ and the README section from the records
     python eval/report.py --next-look            # the runs the open claims' next look needs (trains nothing)
+    python eval/report.py --history              # also rebuild results/claims_history.json from git
 
 Protocols (data, model, steps, test conditions, items per seed, seeds) live in :mod:`protocols`; running in
 :mod:`suite` (one durable record per (encoding, seed) under ``results/<family>/runs/``, reused when its
@@ -89,10 +90,63 @@ def claims_table(claims: Sequence[dict]) -> str:
             continue
         look = "–" if c["look"] is None else f"{c['look']} of {len(c['looks'])}"
         rule = "–" if c.get("ci_rule") is None else f"{_iv(c['ci_rule'])} (α {c['alpha_look']:.2g})"
+        verdict = f"**{c['verdict']}**" + (" (normal tails)" if c.get("normal_tails") else "")
         body.append([c["claim"], c["paper"], f"±{c['margin']:g}", f"{c['diff']:+.1f}", _iv(c["ci95"]), rule,
-                     f"{len(c['seeds'])} (look {look}, cap {c['cap']})", f"**{c['verdict']}**"])  # fmt: skip
+                     _pvalues(c), f"{len(c['seeds'])} (look {look}, cap {c['cap']})", verdict])  # fmt: skip
     return markdown_table(["claim", "paper", "margin (points)", "measured difference (points)", "95 % interval",
-                           "interval at the look's level", "seeds per row", "verdict"], body)  # fmt: skip
+                           "interval at the look's level", "p: t / exact sign-flip (difference; TOST)",
+                           "seeds per row", "verdict"], body)  # fmt: skip
+
+
+def _pvalues(c: dict) -> str:
+    """``p_t / p_sign_flip; p_tost / p_tost_sign_flip`` of a claim's look."""
+    if c.get("p_t") is None:
+        return "–"
+    return (f"{c['p_t']:.2g} / {c['p_sign_flip']:.2g}; {c['p_tost']:.2g} / {c['p_tost_sign_flip']:.2g}")
+
+
+def tails_text(claims: Sequence[dict]) -> str:
+    """Which decisions rest on the t distribution's tails, and which runs below their validation floor they use."""
+    rest = [c for c in claims if c.get("normal_tails")]
+    text = ("Beside every look's Student-t p-values (what the rule reads) stand the exact sign-flip permutation "
+            "p-values of the same hypotheses (`eval/stats.py` `sign_flip_p`: every one of the 2^n sign vectors of "
+            "the n per-seed differences, no normal tails assumed); n seeds allow nothing below 2 / 2^n (0.0625 at 5 "
+            "seeds, 0.002 at 10). ")  # fmt: skip
+    if rest:
+        text += ("Decisions whose exact test does not reach the level the rule used, so that they rest on normal "
+                 "tails: " + "; ".join(f"{c['claim']} ({c['verdict']}, {len(c['seeds'])} seeds, level "
+                                       f"{c['alpha_look']:.2g}, exact p {_exact(c):.2g})" for c in rest) + ". ")
+    else:
+        text += "Every decision's exact test reaches the level the rule used. "
+    failed = [(c["claim"], f) for c in claims for f in c.get("failed_runs") or []]
+    if failed:
+        text += ("Runs below their family's validation floor (`claims.FAILED_RUN_FLOORS`; `Design.failed_runs` = "
+                 "`keep`: they count like every run) inside a decision's seeds: " + "; ".join(
+                     f"{name}: {f['encoding']} seed {f['seed']} (validation {f['validation']:.2f})"
+                     for name, f in failed) + ".")  # fmt: skip
+    return text.rstrip()
+
+
+def _exact(c: dict) -> float:
+    return c["p_tost_sign_flip"] if c["verdict"] == "equivalent" else c["p_sign_flip"]
+
+
+def sensitivity_table(claims: Sequence[dict]) -> str:
+    """The sensitivity rows (:data:`claims.SENSITIVITY`): each claim re-decided on another metric, beside it."""
+    body = []
+    for c in claims:
+        for a in c.get("sensitivity") or []:
+            if a.get("diff") is None:
+                continue
+            body.append([c["claim"], a["analysis"], f"`{a['metric']}`", f"{a['diff']:+.1f}", _iv(a["ci95"]),
+                         _pvalues(a), str(a["seeds"]), f"{a['verdict']}" + (" (normal tails)" if a.get("normal_tails")
+                                                                              else ""),
+                         f"{c['verdict']} (`{c['metric']}`)"])  # fmt: skip
+    if not body:
+        return ""
+    return markdown_table(["claim", "analysis", "metric", "difference (points)", "95 % interval",
+                           "p: t / exact sign-flip (difference; TOST)", "seeds per row", "verdict (same rule)",
+                           "registered verdict"], body)  # fmt: skip
 
 
 def verdict_tally(claims: Sequence[dict]) -> str:
@@ -185,6 +239,7 @@ def report(results: Path, *, readme: Path | None, families: Sequence[str] = FAMI
             plot_points(s, out / "conditions.png")
     write_json(summary_path, summary)
     claims = evaluate_claims({f: records[f] for f in FAMILIES}, reps=reps)
+    add_sensitivity(claims, {f: records[f] for f in FAMILIES})
     write_json(results / "claims.json", claims)
     plot_claims(claims, results / "claims.png")
     write_json(results / "protocol.json", {f: describe(PROTOCOLS[f]) for f in FAMILIES})
@@ -193,14 +248,59 @@ def report(results: Path, *, readme: Path | None, families: Sequence[str] = FAMI
     prev = json.loads((results / "timing.json").read_text()) if (results / "timing.json").is_file() else {}
     t["invocations"] = prev.get("invocations", [])
     write_json(results / "timing.json", t)
-    section = readme_section(summary, claims, t)
+    hist = results / "claims_history.json"
+    section = readme_section(summary, claims, t, history=json.loads(hist.read_text()) if hist.is_file() else None)
     (results / "README.md").write_text(section)
     if readme is not None:
         update_readme(readme, section)
     return {"summary": summary, "claims": claims, "timing": t}
 
 
-def readme_section(summary: dict[str, Any], claims: Sequence[dict], t: dict[str, Any]) -> str:
+def add_sensitivity(claims: list[dict], records: dict[str, list[dict]], *, design=DESIGN) -> None:
+    """Attach to every registered claim the rows of each sensitivity analysis that re-reads it
+    (:data:`claims.SENSITIVITY`), under ``sensitivity``. A row is read at the registered decision's seeds (its
+    look) and by the rule's levels there: a sign decision when ``p_t`` passes the level the registered claim was
+    tested at (``alpha_look``: the Holm level it passed, or the one it would have needed), ``equivalent`` when
+    ``p_tost`` passes the look's equivalence level (Bonferroni over the claims), else ``undecided at this look``.
+    The sequence of looks is not replayed: the seeds run were chosen by the registered decisions."""
+    import numpy as np
+
+    from aggregate import claim_differences
+    from claims import SENSITIVITY, fingerprint, sensitivity_claims
+    from sequential import tails
+    from stats import t_interval
+
+    for name in SENSITIVITY:
+        alt = sensitivity_claims(name, CLAIMS)
+        values = claim_differences(records, alt, records_of=fingerprint())
+        for c, cl, per in zip(claims, alt, values):
+            if cl.metric == c["metric"] or c.get("alpha_look") is None or not per:  # no look taken: nothing to read
+                continue
+            xs = [per[k] for k in c["seeds"] if k in per]
+            if len(xs) != len(c["seeds"]) or len(xs) < 2:
+                continue
+            n = len(xs)
+            equiv_level = design.fraction(n, cl.cap) * design.alpha / len(CLAIMS)
+            diff = sum(xs) / n
+            t = tails(np.asarray(xs), cl.margin, "", None)
+            if t["p_t"] <= c["alpha_look"]:
+                verdict = "agrees" if diff > 0 else "disagrees"
+            else:
+                verdict = "equivalent" if t["p_tost"] <= equiv_level else "undecided at this look"
+            signed = verdict in ("agrees", "disagrees")
+            exact = t["p_sign_flip"] if signed else t["p_tost_sign_flip"]
+            level = c["alpha_look"] if signed else equiv_level
+            c.setdefault("sensitivity", []).append({
+                "analysis": name, "registered_after_data": True, "metric": cl.metric, "verdict": verdict,
+                "diff": diff, "ci95": list(t_interval(xs)[2:]), "seeds": n, "level_sign": c["alpha_look"],
+                "level_equivalence": equiv_level, "p_t": t["p_t"], "p_tost": t["p_tost"],
+                "p_sign_flip": t["p_sign_flip"], "p_tost_sign_flip": t["p_tost_sign_flip"],
+                "normal_tails": None if verdict.startswith("undecided") else bool(exact > level),
+                "per_seed": xs})  # fmt: skip
+
+
+def readme_section(summary: dict[str, Any], claims: Sequence[dict], t: dict[str, Any], *,
+                   history: dict[str, Any] | None = None) -> str:  # fmt: skip
     lines = ["## Results", "",
              "Measured by `make bench` (`python eval/report.py --suite`; `make bench FAMILY=vit` runs one family). "
              "Every row of a family is trained and tested under the same protocol; cells are the mean over seeds ± "
@@ -230,8 +330,28 @@ def readme_section(summary: dict[str, Any], claims: Sequence[dict], t: dict[str,
         if conv:
             lines += [conv, ""]
     lines += ["### Do the measurements agree with the papers?", "", design_text(claims), "", verdict_tally(claims), "",
-              claims_table(claims), "",
+              claims_table(claims), "", tails_text(claims), "",
               "![every claim's interval against its margin](results/claims.png)", ""]
+    sens = sensitivity_table(claims)
+    if sens:
+        from claims import SENSITIVITY
+
+        lines += ["#### Sensitivity rows (named after the data were seen; the registered verdicts above decide)", "",
+                  " ".join(f"`{k}`: {what}." for k, (what, _) in SENSITIVITY.items())
+                  + " Each row is read at the registered decision's seeds and by the rule's levels at that look (the "
+                  "sign test at the Holm level the registered claim had there, TOST at the look's equivalence "
+                  "level); the looks are not replayed, since the seeds run were chosen by the registered "
+                  "decisions.", "", sens, ""]  # fmt: skip
+    if history:
+        text = history_text(history, claims)
+        if text:
+            lines += ["#### History of the claims (`results/claims_history.json`, from `git log -- "
+                      "results/claims.json`)", "",
+                      "Every earlier version of a claim that published a verdict or a difference, and the earlier "
+                      "looks of today's version, with the commit that published each state. A version is the "
+                      "claim's rows, metric, margin, cap and claims protocol; protocols before `fe3999b12ba5` read "
+                      "other records (the ViT and point records of the first protocol are in `results/archive/v1`).",
+                      "", text, ""]  # fmt: skip
     lines += ["### Cost", "", _timing_text(t), ""]
     return "\n".join(lines).rstrip() + "\n"
 
@@ -311,6 +431,81 @@ def update_readme(path: Path, section: str) -> bool:
 
 ROOT = Path(__file__).resolve().parents[1]
 
+#: what identifies a version of a claim in its history: its rows, metric, margin, cap and claims protocol
+VERSION_KEYS = ("family", "better", "other", "metric", "margin", "cap", "protocol")
+
+
+def claims_history(repo: Path, path: str = "results/claims.json") -> dict[str, Any]:
+    """Every version of every claim ever published in ``path``, read from git: one entry per commit that changed
+    the file (oldest first), a claim's *version* being its :data:`VERSION_KEYS` (a claim renamed keeps its
+    history when its rows stay). Each version lists the states it was published with (verdict, difference,
+    interval, seeds), a state kept once until it changes, with the commit and date that first showed it. A claim
+    is identified by its wording (``claim``), which no commit changed while its rows, metric or family did.
+
+    Args:
+        repo (Path): the git checkout.
+        path (str): the claims file inside it.
+
+    Returns:
+        dict[str, Any]: ``{"source", "commits": [{"commit", "date", "subject"}], "claims": [{"claim", "versions":
+        [{**VERSION_KEYS, "first", "last", "states": [...]}]}]}``, claims in order of first publication.
+    """
+    import subprocess
+
+    def git(*args: str) -> str:
+        return subprocess.run(["git", "-C", str(repo), *args], check=True, capture_output=True, text=True).stdout
+
+    commits = []
+    for line in git("log", "--reverse", "--format=%H%x09%cs%x09%s", "--", path).splitlines():
+        sha, date, subject = line.split("\t", 2)
+        commits.append({"commit": sha[:7], "date": date, "subject": subject[:200]})
+    claims: dict[str, dict[str, Any]] = {}
+    for c in commits:
+        try:
+            entries = json.loads(git("show", f"{c['commit']}:{path}"))
+        except subprocess.CalledProcessError:  # the file deleted in this commit
+            continue
+        for e in entries:
+            item = claims.setdefault(e.get("claim"), {"claim": e.get("claim"), "versions": []})
+            key = {k: e.get(k) for k in VERSION_KEYS}
+            vs = item["versions"]
+            if not vs or {k: vs[-1][k] for k in VERSION_KEYS} != key:
+                vs.append({**key, "first": c["commit"], "last": c["commit"], "states": []})
+            v = vs[-1]
+            v["last"] = c["commit"]
+            seeds = e.get("seeds") or []
+            r6 = lambda x: None if x is None else round(float(x), 6)  # noqa: E731  (regenerations differ at 1e-15)
+            state = {"verdict": e.get("verdict"), "diff": r6(e.get("diff")),
+                     "ci95": None if e.get("ci95") is None else [r6(x) for x in e["ci95"]],
+                     "seeds": len(seeds) if isinstance(seeds, list) else seeds}  # fmt: skip
+            if not v["states"] or {k: v["states"][-1][k] for k in state} != state:
+                v["states"].append({**state, "commit": c["commit"], "date": c["date"]})
+    return {"source": f"git log -- {path}", "commits": commits, "claims": list(claims.values())}
+
+
+def history_text(history: dict[str, Any], claims: Sequence[dict]) -> str:
+    """The earlier versions of the registered claims and what each published (README), from
+    ``results/claims_history.json``: one line per version that is not today's, the claim's states in order."""
+    now = {c["claim"]: c for c in claims}
+    lines = []
+    for item in history.get("claims", []):
+        cur = now.get(item["claim"])
+        if cur is None:
+            continue
+        old = [v for v in item["versions"] if {k: v[k] for k in VERSION_KEYS} != {k: cur.get(k) for k in VERSION_KEYS}]
+        mine = [v for v in item["versions"] if v not in old]
+        for v in old + [dict(v, states=v["states"][:-1], today=True) for v in mine[-1:]]:
+            shown = [s for s in v["states"] if s["verdict"] != "not measured"]
+            if not shown:
+                continue
+            states = "; ".join(f"{s['verdict']} {s['diff']:+.1f} {_iv(s['ci95'])} at {s['seeds']} seeds "
+                               f"({s['commit']}, {s['date']})" for s in shown)  # fmt: skip
+            what = "today's version, its earlier looks" if v.get("today") else "earlier version"
+            lines.append(f"- {item['claim']} ({what}): `{v['metric']}` of {v['family']} under claims protocol "
+                         f"`{v['protocol'] or 'none (before the pre-registered design)'}`, published "
+                         f"{v['first']} ... {v['last']}: {states}.")  # fmt: skip
+    return "\n".join(lines)
+
 
 def next_look_jobs(claims: Sequence[dict], families: Sequence[str], *, runs_dir: Path,
                    results_dir: Path) -> list[Job]:  # fmt: skip
@@ -362,6 +557,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                         "evaluation code; the training is reused, runs without weights keep their records)")
     p.add_argument("--next-look", action="store_true",
                    help="print the runs (family, row, seed) the open claims' next look needs, from results/claims.json")
+    p.add_argument("--history", action="store_true",
+                   help="rebuild results/claims_history.json from git log -- results/claims.json (trains nothing), "
+                        "then report")
     p.add_argument("--no-progress", action="store_true")
     args = p.parse_args(argv)
     results = Path(args.results)
@@ -372,6 +570,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"{fam} {row} seed {seed}" + (f" (a run of {enc})" if enc != row else ""))
         return 0
     readme = Path(args.readme) if args.readme else None
+    if args.history:
+        write_json(results / "claims_history.json", claims_history(ROOT))
     failed: list[str] = []
     if args.suite:
         jobs = plan(args.families, encodings=args.encodings, seeds=args.seeds, runs_dir=Path(args.runs),

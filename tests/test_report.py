@@ -487,3 +487,68 @@ def test_the_verdict_tally_counts_each_verdict():
     assert report.verdict_tally(claims) == (
         "Verdicts: 9 of 11 claims decided (4 agree with the paper, 2 disagree, 3 equivalent within the margin); "
         "1 unresolved at their cap, 1 still open.")
+
+
+def test_committed_claims_are_recomputed_from_the_committed_records():
+    """results/claims.json is what the committed records give today: every decision, difference, interval, level
+    and p-value (t and exact sign-flip), the runs below their validation floor and the sensitivity rows."""
+    from aggregate import evaluate_claims
+    from protocols import FAMILIES
+
+    recs = {f: suite.load_records(ROOT / "results", f) for f in FAMILIES}
+    fresh = evaluate_claims(recs, reps=2)
+    report.add_sensitivity(fresh, recs)
+    committed = json.loads((ROOT / "results" / "claims.json").read_text())
+    assert [c["claim"] for c in fresh] == [c["claim"] for c in committed]
+    skip = {"ci95_bootstrap"}  # resampled with the report's replicates; 2 here
+    for new, old in zip(fresh, committed):
+        assert set(new) - skip == set(old) - skip, new["claim"]
+        for k in set(new) - skip:
+            assert new[k] == pytest.approx(old[k], rel=1e-9, abs=1e-9) if isinstance(new[k], float) else \
+                _close(new[k], old[k]), (new["claim"], k)
+
+
+def _close(a, b) -> bool:
+    if isinstance(a, float) or isinstance(b, float):
+        return a is not None and b is not None and abs(a - b) <= 1e-9 * max(1.0, abs(b))
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(_close(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        return len(a) == len(b) and all(_close(x, y) for x, y in zip(a, b))
+    return a == b
+
+
+def test_claims_history_reads_every_published_version_from_git(tmp_path):
+    import subprocess
+
+    def git(*a):
+        subprocess.run(["git", "-C", str(tmp_path), *a], check=True, capture_output=True,
+                       env={**os.environ, "GIT_AUTHOR_NAME": "t", "GIT_AUTHOR_EMAIL": "t@t", "GIT_COMMITTER_NAME": "t",
+                            "GIT_COMMITTER_EMAIL": "t@t"})  # fmt: skip
+
+    git("init", "-q")
+    (tmp_path / "results").mkdir()
+    base = {"claim": "A > B", "family": "vlm", "better": "a", "other": "b", "margin": 10.0, "cap": 20}
+    states = [dict(base, metric="extrapolated", protocol=None, verdict="unresolved", diff=3.1, ci95=[-13.4, 19.6],
+                   seeds=[0, 1, 2, 3, 4]),
+              dict(base, metric="extrapolated", protocol=None, verdict="unresolved", diff=3.1 + 1e-12,
+                   ci95=[-13.4, 19.6], seeds=[0, 1, 2, 3, 4]),  # a regeneration: the same state
+              dict(base, metric="near", protocol="fe3999b12ba5", verdict="open", diff=3.3, ci95=[-4.3, 11.0],
+                   seeds=[0, 1, 2, 3, 4]),
+              dict(base, metric="near", protocol="fe3999b12ba5", verdict="unresolved", diff=1.2, ci95=[-5.9, 8.3],
+                   seeds=list(range(20)))]  # fmt: skip
+    for i, st in enumerate(states):
+        (tmp_path / "results" / "claims.json").write_text(json.dumps([st]))
+        git("add", "results/claims.json")
+        git("commit", "-q", "-m", f"step {i}")
+    h = report.claims_history(tmp_path)
+    assert len(h["commits"]) == 4
+    (item,) = h["claims"]
+    assert [v["metric"] for v in item["versions"]] == ["extrapolated", "near"]
+    assert [len(v["states"]) for v in item["versions"]] == [1, 2]
+    assert item["versions"][0]["first"] == h["commits"][0]["commit"]
+    assert item["versions"][0]["last"] == h["commits"][1]["commit"]
+    text = report.history_text(h, [states[-1]])
+    assert "(earlier version): `extrapolated`" in text and "unresolved +3.1 [-13.4, +19.6] at 5 seeds" in text
+    assert "(today's version, its earlier looks): `near`" in text and "open +3.3" in text
+    assert "+1.2" not in text  # today's state is the claims table's, not the history's
