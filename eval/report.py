@@ -249,7 +249,10 @@ def report(results: Path, *, readme: Path | None, families: Sequence[str] = FAMI
     t["invocations"] = prev.get("invocations", [])
     write_json(results / "timing.json", t)
     hist = results / "claims_history.json"
-    section = readme_section(summary, claims, t, history=json.loads(hist.read_text()) if hist.is_file() else None)
+    history = json.loads(hist.read_text()) if hist.is_file() else None
+    audit = provenance_audit(records, (history or {}).get("said_clean"))
+    write_json(results / "provenance.json", audit)
+    section = readme_section(summary, claims, t, history=history, provenance=audit)
     (results / "README.md").write_text(section)
     if readme is not None:
         update_readme(readme, section)
@@ -300,7 +303,7 @@ def add_sensitivity(claims: list[dict], records: dict[str, list[dict]], *, desig
 
 
 def readme_section(summary: dict[str, Any], claims: Sequence[dict], t: dict[str, Any], *,
-                   history: dict[str, Any] | None = None) -> str:  # fmt: skip
+                   history: dict[str, Any] | None = None, provenance: dict[str, Any] | None = None) -> str:  # fmt: skip
     lines = ["## Results", "",
              "Measured by `make bench` (`python eval/report.py --suite`; `make bench FAMILY=vit` runs one family). "
              "Every row of a family is trained and tested under the same protocol; cells are the mean over seeds ± "
@@ -352,6 +355,8 @@ def readme_section(summary: dict[str, Any], claims: Sequence[dict], t: dict[str,
                       "claim's rows, metric, margin, cap and claims protocol; protocols before `fe3999b12ba5` read "
                       "other records (the ViT and point records of the first protocol are in `results/archive/v1`).",
                       "", text, ""]  # fmt: skip
+    if provenance:
+        lines += [provenance_text(provenance), ""]
     lines += ["### Cost", "", _timing_text(t), ""]
     return "\n".join(lines).rstrip() + "\n"
 
@@ -480,7 +485,56 @@ def claims_history(repo: Path, path: str = "results/claims.json") -> dict[str, A
                      "seeds": len(seeds) if isinstance(seeds, list) else seeds}  # fmt: skip
             if not v["states"] or {k: v["states"][-1][k] for k in state} != state:
                 v["states"].append({**state, "commit": c["commit"], "date": c["date"]})
-    return {"source": f"git log -- {path}", "commits": commits, "claims": list(claims.values())}
+    import re
+
+    clean: dict[str, list[str]] = {}  # code commit -> the results commits whose message calls its runs clean
+    for line in git("log", "--format=%h%x09%s", "--", "results").splitlines():
+        sha, subject = line.split("\t", 1)
+        for code in re.findall(r"commit ([0-9a-f]{7,40}),? clean", subject):
+            clean.setdefault(code[:7], []).append(sha)
+    return {"source": f"git log -- {path}", "commits": commits, "claims": list(claims.values()),
+            "said_clean": clean}  # fmt: skip
+
+
+def provenance_audit(records: dict[str, list[dict]], said_clean: dict[str, list[str]] | None = None) -> dict[str, Any]:
+    """What the records say of where they came from, per family: how many carry a ``provenance``, how many were
+    written from a dirty tree and how many of those name the files (``dirty_files``), how many record numpy and
+    scipy versions; per (code commit, dirty) the records; and the dirty records whose code commit a results
+    commit's message calls clean (``said_clean``: from :func:`claims_history`)."""
+    out: dict[str, Any] = {}
+    for fam, recs in records.items():
+        prov = [r.get("provenance") for r in recs]
+        groups: dict[str, int] = {}
+        for pv in prov:
+            key = "none" if not pv else f"{(pv.get('commit') or '?')[:7]} {'dirty' if pv.get('dirty') else 'clean'}"
+            groups[key] = groups.get(key, 0) + 1
+        dirty = [pv for pv in prov if pv and pv.get("dirty")]
+        contra = {}
+        for pv in dirty:
+            c = (pv.get("commit") or "")[:7]
+            if said_clean and c in said_clean:
+                contra.setdefault(c, {"records": 0, "said_clean_by": said_clean[c]})["records"] += 1
+        out[fam] = {"records": len(recs), "with_provenance": sum(bool(pv) for pv in prov), "dirty": len(dirty),
+                    "dirty_naming_files": sum(pv.get("dirty_files") is not None for pv in dirty),
+                    "with_numpy_scipy": sum(bool(pv and pv.get("numpy") and pv.get("scipy")) for pv in prov),
+                    "by_commit": groups, "dirty_but_said_clean": contra}  # fmt: skip
+    return out
+
+
+def provenance_text(audit: dict[str, Any]) -> str:
+    """The provenance audit in one paragraph (README)."""
+    parts = []
+    for fam, a in audit.items():
+        part = (f"{fam}: {a['records']} records, {a['with_provenance']} with provenance, {a['dirty']} written from a "
+                f"dirty tree ({a['dirty_naming_files']} naming the files), {a['with_numpy_scipy']} with numpy / scipy "
+                f"versions")  # fmt: skip
+        for c, d in a["dirty_but_said_clean"].items():
+            part += (f"; {d['records']} dirty records at commit {c}, whose runs the message of "
+                     f"{', '.join(d['said_clean_by'])} calls clean")
+        parts.append(part)
+    return ("Provenance of the records (`results/provenance.json`; `dirty_files`, numpy and scipy are recorded from "
+            "now on, the records below were written before): " + "; ".join(parts) + ". A dirty record without its "
+            "files cannot be checked further: its tree may have differed from the commit in any tracked file.")
 
 
 def history_text(history: dict[str, Any], claims: Sequence[dict]) -> str:

@@ -253,9 +253,10 @@ def _cpu_model() -> str | None:
 
 
 def provenance(threads: int) -> dict[str, Any]:
-    """Where a record came from: the commit (``git rev-parse HEAD``) and whether tracked files differed from it
-    (``dirty``), the torch / DeepSpeed / transformers versions (None when not installed), Python, the CPU model
-    (``/proc/cpuinfo``) and the threads each run had."""
+    """Where a record came from: the commit (``git rev-parse HEAD``), whether tracked files differed from it
+    (``dirty``) and which (``dirty_files``, from ``git status --porcelain``), the torch / DeepSpeed / transformers /
+    numpy / scipy versions (None when not installed), Python, the CPU model (``/proc/cpuinfo``) and the threads each
+    run had."""
     import importlib.metadata as md
     import platform
 
@@ -267,7 +268,9 @@ def provenance(threads: int) -> dict[str, Any]:
 
     status = _git("status", "--porcelain", "--untracked-files=no")
     return {"commit": _git("rev-parse", "HEAD"), "dirty": None if status is None else bool(status),
+            "dirty_files": None if status is None else sorted(ln[2:].strip() for ln in status.splitlines() if ln),
             "torch": version("torch"), "deepspeed": version("deepspeed"), "transformers": version("transformers"),
+            "numpy": version("numpy"), "scipy": version("scipy"),
             "python": platform.python_version(), "cpu": _cpu_model(), "threads": int(threads)}  # fmt: skip
 
 

@@ -11,7 +11,8 @@ What is checked:
 - the README: only the text between the markers changes; a second report with the same records changes nothing;
 - the suite: a job whose record matches its fingerprint is neither trained nor evaluated again; a stale record is
   redone; records of another protocol are ignored by the report; a new record stores the claims fingerprint and its
-  provenance (commit, library versions, CPU model, threads).
+  provenance (commit, the files that made it dirty, library versions numpy and scipy included, CPU model, threads);
+- results/claims.json is recomputed from the committed records; the claims' history is read from git.
 """
 
 from __future__ import annotations
@@ -271,6 +272,18 @@ def test_a_new_record_stores_the_claims_fingerprint_and_its_provenance(tmp_path,
     assert prov["threads"] >= 1 and prov["torch"] == __import__("torch").__version__.split("+")[0]
     head = __import__("subprocess").run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True)
     assert prov["commit"] == (head.stdout.strip() or None)
+    import numpy
+    import scipy
+
+    assert prov["numpy"] == numpy.__version__ and prov["scipy"] == scipy.__version__
+    assert prov["dirty"] == bool(prov["dirty_files"])
+    real = suite._git
+    porcelain = " M eval/report.py\nM  README.md\nMM tests/test_report.py"  # as git prints it, then stripped
+    monkeypatch.setattr(suite, "_git", lambda *a: porcelain.strip() if a[0] == "status" else real(*a))
+    prov = suite.provenance(1)
+    assert prov["dirty"] is True and prov["dirty_files"] == ["README.md", "eval/report.py", "tests/test_report.py"]
+    monkeypatch.setattr(suite, "_git", lambda *a: "" if a[0] == "status" else real(*a))
+    assert suite.provenance(1)["dirty_files"] == [] and suite.provenance(1)["dirty"] is False
 
 
 def test_plan_errors():
