@@ -208,6 +208,9 @@ def _claim_values(cl: Claim, conds, rows, sel, seeds: list[int], **kw) -> Cell:
     keys = [c.key for c in conds]
     if cl.metric in sel:
         w = sel[cl.metric]
+    elif "-" in cl.metric and all(part in sel for part in cl.metric.split("-", 1)):  # a row's own contrast
+        first, second = cl.metric.split("-", 1)
+        w = sel[first] - sel[second]
     elif cl.metric in keys:
         w = np.eye(len(conds))[keys.index(cl.metric)]
     else:
@@ -243,6 +246,26 @@ def claim_differences(records: dict[str, Sequence[dict]], claims: Sequence[Claim
         c = _claim_values(cl, conds, rows, sel, seeds, reps=2)
         out.append(dict(zip(seeds, (100 * v for v in c["per_seed"]))))
     return out
+
+
+def row_means(records: dict[str, Sequence[dict]], cl: Claim, seeds: Sequence[int], *,
+              records_of: str) -> dict[str, float] | None:
+    """The mean over ``seeds`` of each of ``cl``'s two rows on its metric (points), and the family's chance level
+    (``chance``, points); None for a contrast metric or a missing row."""
+    used, _ = select_records(records, current=records_of)
+    recs = used.get(cl.family) or []
+    if not recs:
+        return None
+    conds, rows = family_matrices(cl.family, recs)
+    meta = _meta(cl.family, recs)
+    sel = family_selectors(cl.family, conds, meta)
+    keys = [c.key for c in conds]
+    w = sel.get(cl.metric, np.eye(len(conds))[keys.index(cl.metric)] if cl.metric in keys else None)
+    if w is None or (w < 0).any() or any(r not in rows or not set(seeds) <= set(rows[r]) for r in (cl.better,
+                                                                                                    cl.other)):
+        return None
+    out = {r: float(np.mean([100 * rows[r][s].mean(axis=1) @ w for s in seeds])) for r in (cl.better, cl.other)}
+    return {**out, "chance": 100 * float(meta["chance"])}
 
 
 def failed_runs(cl: Claim, records: Sequence[dict], seeds: Sequence[int]) -> list[dict[str, Any]]:

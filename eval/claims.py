@@ -30,7 +30,7 @@ import json
 from dataclasses import asdict, dataclass
 
 __all__ = ["Claim", "Design", "CLAIMS", "DESIGN", "LEGACY_ADOPTED_BY", "MARGINS", "CAPS", "FAILED_RUN_FLOORS",
-           "SENSITIVITY", "sensitivity_claims", "fingerprint"]
+           "SENSITIVITY", "sensitivity_claims", "EXPLORATORY", "NOTES", "fingerprint"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -176,7 +176,9 @@ CLAIMS: tuple[Claim, ...] = (
           described="change of top-1 from z to unseen SO(3) test rotations, PaPE-RI minus PaPE",
           margin=MARGINS["top1"], cap=CAPS["points"]),
     _vit(claim="FIRE > 2D RoPE at 4.57x",
-         paper="FIRE (Li et al., ICLR 2024); the 2026 comparison (Øhrstrøm et al.): 63.1 vs 18.9 top-1 at 4.57x",
+         paper="FIRE (Li et al., ICLR 2024); 63.1 vs 18.9 top-1 at 4.57x in the abstract of the TMLR submission "
+               "\"Analysing Extrapolation Capabilities of Modern Positional Embeddings in ViTs\" (OpenReview "
+               "mEGr7Fm54B)",
          better="fire", other="rope", metric="x4.57", described="top-1 at 4.57x, FIRE minus RoPE"),
     _vit(claim="Training-free YaRN > plain RoPE at 4.57x",
          paper="Peng et al., ICLR 2024 (YaRN): scaling the rotary frequencies at test time extends RoPE beyond its "
@@ -222,6 +224,34 @@ def sensitivity_claims(name: str, claims: tuple[Claim, ...] = CLAIMS) -> tuple[C
 
     _, swap = SENSITIVITY[name]
     return tuple(replace(c, metric=swap[c.metric]) if c.metric in swap else c for c in claims)
+
+
+#: Comparisons named after the data were seen, each beside the registered claim it re-reads (``of``), with why:
+#: exploratory, shown with their differences, intervals and p-values and no verdict (a verdict needs seeds not yet
+#: run). They never replace the registered claims or their verdicts.
+EXPLORATORY: tuple[tuple[str, Claim, str], ...] = (
+    ("CPVT/PEG holds at higher resolution where APE drops",
+     Claim(claim="PEG drops less than APE beyond the training resolution (Shapes-HR)", paper="Chu et al., ICLR 2023",
+           family="shapes", better="peg", other="ape", metric="extrapolated-in_distribution",
+           described="(top-1 above 1x minus top-1 at 1x), PEG minus APE", margin=MARGINS["top1"], cap=CAPS["shapes"]),
+     "CPVT claims PEG keeps its accuracy where APE drops: the registered difference at the larger sizes carries the "
+     "in-distribution gap of the two rows, the difference of their drops does not"),
+    *((name, _vit(claim=f"{label} > NoPE at 4.57x", paper="the registered claim's paper", better=row, other="nope",
+                  metric="x4.57", described=f"top-1 at 4.57x, {label} minus NoPE"),
+       "2D RoPE is near chance at 4.57x: beating it says little unless the row also beats no position encoding")
+      for name, row, label in (
+          ("LookHere > 2D RoPE at 4.57x the training resolution", "lookhere", "LookHere"),
+          ("FIRE > 2D RoPE at 4.57x", "fire", "FIRE"),
+          ("Training-free YaRN > plain RoPE at 4.57x", "rope+yarn", "RoPE with YaRN"),
+          ("Training-free NTK scaling > plain RoPE at 4.57x", "rope+ntk", "RoPE with NTK scaling"))),
+)  # fmt: skip
+
+#: What a registered claim tests in fact, where that differs from its wording (shown beside its verdict).
+NOTES = {
+    "PaPE-RI robust to SO(3)": "holds by construction: the group features are rotation-invariant, so PaPE-RI's SO(3) "
+    "- z contrast is exactly 0 on every seed; the difference measured is minus PaPE's own SO(3) - z contrast, i.e. "
+    "the claim tests whether PaPE's relative xyz positions lose accuracy under rotations it was not trained on",
+}
 
 
 def _check(claims: tuple[Claim, ...], design: Design) -> None:

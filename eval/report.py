@@ -240,6 +240,7 @@ def report(results: Path, *, readme: Path | None, families: Sequence[str] = FAMI
     write_json(summary_path, summary)
     claims = evaluate_claims({f: records[f] for f in FAMILIES}, reps=reps)
     add_sensitivity(claims, {f: records[f] for f in FAMILIES})
+    add_exploratory(claims, {f: records[f] for f in FAMILIES})
     write_json(results / "claims.json", claims)
     plot_claims(claims, results / "claims.png")
     write_json(results / "protocol.json", {f: describe(PROTOCOLS[f]) for f in FAMILIES})
@@ -302,6 +303,70 @@ def add_sensitivity(claims: list[dict], records: dict[str, list[dict]], *, desig
                 "per_seed": xs})  # fmt: skip
 
 
+def add_exploratory(claims: list[dict], records: dict[str, list[dict]]) -> None:
+    """Attach to the registered claims what :data:`claims.NOTES` says they test in fact (``note``), whether an
+    ``equivalent`` verdict sits where both rows are within the margin of the ceiling or of chance (``bound``: the
+    verdict then says little about the encodings), and the comparisons of :data:`claims.EXPLORATORY` beside them
+    (``exploratory``: difference, 95 % interval, t and exact sign-flip p-values over every seed the two rows share;
+    no verdict)."""
+    import numpy as np
+
+    from aggregate import claim_differences, row_means
+    from claims import EXPLORATORY, NOTES, fingerprint
+    from sequential import tails
+    from stats import t_interval
+
+    fp = fingerprint()
+    by = {c["claim"]: c for c in claims}
+    for name, note in NOTES.items():
+        if name in by:
+            by[name]["note"] = note
+    for c, cl in zip(claims, CLAIMS):
+        if c["verdict"] != "equivalent":
+            continue
+        means = row_means(records, cl, c["seeds"], records_of=fp)
+        if means is None:
+            continue
+        lo, hi = min(means[cl.better], means[cl.other]), max(means[cl.better], means[cl.other])
+        c["row_means"] = {cl.better: means[cl.better], cl.other: means[cl.other]}
+        c["bound"] = ("ceiling" if lo >= 100 - cl.margin else "chance" if hi <= means["chance"] + cl.margin else None)
+    values = claim_differences(records, [e for _, e, _ in EXPLORATORY], records_of=fp)
+    for (name, e, why), per in zip(EXPLORATORY, values):
+        if name not in by or len(per) < 2:
+            continue
+        xs = np.array([per[k] for k in sorted(per)])
+        t = tails(xs, e.margin, "", None)
+        by[name].setdefault("exploratory", []).append({
+            "claim": e.claim, "family": e.family, "better": e.better, "other": e.other, "metric": e.metric,
+            "measures": e.described, "why": why, "registered_after_data": True, "verdict": None,
+            "seeds": sorted(per), "diff": float(xs.mean()), "ci95": list(t_interval(xs)[2:]), "p_t": t["p_t"],
+            "p_sign_flip": t["p_sign_flip"], "p_tost": t["p_tost"], "p_tost_sign_flip": t["p_tost_sign_flip"],
+            "per_seed": xs.tolist()})  # fmt: skip
+
+
+def exploratory_table(claims: Sequence[dict]) -> str:
+    """The exploratory comparisons beside the registered claims they re-read."""
+    body = [[c["claim"], e["claim"], e["measures"], f"{e['diff']:+.1f}", _iv(e["ci95"]),
+             f"{e['p_t']:.2g} / {e['p_sign_flip']:.2g}", str(len(e["seeds"])), f"{c['verdict']} ({c['diff']:+.1f})"]
+            for c in claims for e in c.get("exploratory") or []]  # fmt: skip
+    if not body:
+        return ""
+    return markdown_table(["registered claim", "exploratory comparison", "measures", "difference (points)",
+                           "95 % interval", "p: t / exact sign-flip", "seeds per row", "registered verdict"], body)
+
+
+def notes_text(claims: Sequence[dict]) -> str:
+    """The notes on what registered claims test, and the equivalences at a ceiling or at chance."""
+    out = [f"- {c['claim']}: {c['note']}." for c in claims if c.get("note")]
+    for c in claims:
+        if c.get("bound"):
+            rows = ", ".join(f"{r} {v:.1f} %" for r, v in c["row_means"].items())
+            where = "the ceiling" if c["bound"] == "ceiling" else "chance"
+            out.append(f"- {c['claim']}: `equivalent` with both rows within the margin of {where} ({rows}): the "
+                       f"verdict stands as registered, but the task leaves no room for a difference here.")
+    return "\n".join(out)
+
+
 def readme_section(summary: dict[str, Any], claims: Sequence[dict], t: dict[str, Any], *,
                    history: dict[str, Any] | None = None, provenance: dict[str, Any] | None = None) -> str:  # fmt: skip
     lines = ["## Results", "",
@@ -335,6 +400,14 @@ def readme_section(summary: dict[str, Any], claims: Sequence[dict], t: dict[str,
     lines += ["### Do the measurements agree with the papers?", "", design_text(claims), "", verdict_tally(claims), "",
               claims_table(claims), "", tails_text(claims), "",
               "![every claim's interval against its margin](results/claims.png)", ""]
+    notes = notes_text(claims)
+    if notes:
+        lines += ["What some verdicts rest on:", "", notes, ""]
+    expl = exploratory_table(claims)
+    if expl:
+        lines += ["#### Exploratory comparisons (named after the data were seen; no verdict)", "",
+                  "Each re-reads a registered claim the way its paper tested it, over every seed the two rows share; "
+                  "`eval/claims.py` `EXPLORATORY` says why. Deciding them needs seeds not yet run.", "", expl, ""]
     sens = sensitivity_table(claims)
     if sens:
         from claims import SENSITIVITY

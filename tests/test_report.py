@@ -565,3 +565,44 @@ def test_claims_history_reads_every_published_version_from_git(tmp_path):
     assert "(earlier version): `extrapolated`" in text and "unresolved +3.1 [-13.4, +19.6] at 5 seeds" in text
     assert "(today's version, its earlier looks): `near`" in text and "open +3.3" in text
     assert "+1.2" not in text  # today's state is the claims table's, not the history's
+
+
+def test_exploratory_rows_notes_and_bounds_by_hand(tmp_path):
+    """A row's own contrast (``extrapolated-in_distribution``) compared between rows, by hand from the outcomes; the
+    exploratory rows carry no verdict; an equivalence with both rows near chance is marked."""
+    from aggregate import claim_differences, evaluate_claims
+    from claims import EXPLORATORY, Claim
+    from protocols import FAMILIES
+
+    results = make_results(tmp_path)
+    for s in range(5):  # a NoPE row for the exploratory "X > NoPE" comparisons
+        write_record(results, "vit", "nope", s, {"nope": vit_ev([0.8, 0.5, 0.4], s, 700)})
+    recs = {f: suite.load_records(results, f) for f in FAMILIES}
+    drop = Claim(claim="d", paper="p", family="vit", better="lookhere", other="rope",
+                 metric="extrapolated-in_distribution", described="d", margin=5.0, cap=10)  # fmt: skip
+    (per,) = claim_differences(recs, [drop], records_of=fingerprint())
+    for s in range(5):  # (mean of 2x, 4.57x) - 1x, lookhere minus rope; round() as _bits rounds the counts
+        acc = {k: [round(a * N) / N for a in v] for k, v in (("lh", [0.9 - 0.025 * s, 0.7 - 0.025 * s,
+                                                                       0.6 - 0.025 * s]),
+                                                              ("rope", [0.9 - 0.025 * s, 0.5 - 0.025 * s,
+                                                                        0.2 - 0.025 * s]))}  # fmt: skip
+        want = 100 * (((acc["lh"][1] + acc["lh"][2]) / 2 - acc["lh"][0]) - ((acc["rope"][1] + acc["rope"][2]) / 2
+                                                                            - acc["rope"][0]))  # fmt: skip
+        assert per[s] == pytest.approx(want)
+    entries = evaluate_claims(recs, reps=2)
+    report.add_exploratory(entries, recs)
+    by = {e["claim"]: e for e in entries}
+    rows = {x["claim"]: x for e in entries for x in e.get("exploratory") or []}
+    assert {x[1].claim for x in EXPLORATORY if x[1].family == "vit"} <= set(rows)
+    lh = rows["LookHere > NoPE at 4.57x"]
+    want = [100 * (round((0.6 - 0.025 * s) * N) - round(0.4 * N)) / N for s in range(5)]
+    assert lh["verdict"] is None and lh["per_seed"] == pytest.approx(want) and lh["registered_after_data"]
+    assert "PaPE-RI robust to SO(3)" in by and "construction" in by["PaPE-RI robust to SO(3)"]["note"]
+    assert all(e.get("bound") in (None, "ceiling", "chance") for e in entries)
+
+
+def test_the_pape_ri_note_states_what_the_records_show():
+    """The note on the PaPE-RI claim says its SO(3) - z contrast is exactly 0 on every seed: so do the records."""
+    summary = json.loads((ROOT / "results" / "summary.json").read_text())["families"]["points"]["rows"]
+    assert summary["pape_ri"]["so3_minus_z"]["per_seed"] and not any(summary["pape_ri"]["so3_minus_z"]["per_seed"])
+    assert all(v < 0 for v in summary["pape"]["so3_minus_z"]["per_seed"])
