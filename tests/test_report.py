@@ -504,13 +504,15 @@ def test_the_verdict_tally_counts_each_verdict():
 
 def test_committed_claims_are_recomputed_from_the_committed_records():
     """results/claims.json is what the committed records give today: every decision, difference, interval, level
-    and p-value (t and exact sign-flip), the runs below their validation floor and the sensitivity rows."""
+    and p-value (t and exact sign-flip), the runs below their validation floor, the sensitivity and exploratory
+    rows and the notes."""
     from aggregate import evaluate_claims
     from protocols import FAMILIES
 
     recs = {f: suite.load_records(ROOT / "results", f) for f in FAMILIES}
     fresh = evaluate_claims(recs, reps=2)
     report.add_sensitivity(fresh, recs)
+    report.add_exploratory(fresh, recs)
     committed = json.loads((ROOT / "results" / "claims.json").read_text())
     assert [c["claim"] for c in fresh] == [c["claim"] for c in committed]
     skip = {"ci95_bootstrap"}  # resampled with the report's replicates; 2 here
