@@ -222,3 +222,15 @@ def test_valid_options_of_every_kind_are_taken():
         ids, _ = mm.position_ids(v, types, grid)
         assert ids.shape[1:] == types.shape and bool(torch.isfinite(ids.double()).all())
         assert not math.isnan(float(ids.double().sum()))
+
+
+def test_every_option_of_every_design_has_a_rule_its_default_passes():
+    """A design option without a rule would raise a KeyError when given; a default its rule refuses would make the
+    rule wrong (the defaults are what the released methods use)."""
+    from vlpe.encodings.multimodal.designs import _OPTION_RULES
+
+    for design in mm.DESIGNS.values():
+        for option, default in design.defaults.items():
+            assert option in _OPTION_RULES, (design.name, option)
+            assert _OPTION_RULES[option](default) is None, (design.name, option, default)
+        assert design.options(dict(design.defaults)) == design.defaults  # every default given back is taken

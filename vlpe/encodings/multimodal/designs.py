@@ -153,6 +153,9 @@ def _positive_number(value: Any) -> str | None:
 
 
 def _positive_numbers(item: str) -> Callable[[Any], str | None]:
+    """The rule of a list option (None, or a list or tuple of numbers each passing :func:`_positive_number`),
+    whose entries the message calls ``item``."""
+
     def check(value: Any) -> str | None:
         if value is None or (isinstance(value, (list, tuple)) and all(_positive_number(v) is None for v in value)):
             return None

@@ -385,7 +385,9 @@ def layout_checks(L: TokenLayout, types: Tensor, grid: Tensor, m: int) -> list[C
     )
     fi, la = L.row_first.clamp(max=N - 1), L.row_last.clamp(max=N - 1)
     row_type = L.row_type
-    vt = types.reshape(-1).to(torch.int64) * flat_vis  # (N,) type of vision tokens, 0 elsewhere
+    vt = types.reshape(-1).to(torch.int64)  # (N,) type of vision tokens, 0 elsewhere (without a mask: every token)
+    if L.padded:
+        vt = vt * flat_vis
     if samples is None:  # every row is one sample: the sample of a token is its batch row
         straddles = fi // S != la // S  # (R,)
     else:

@@ -200,10 +200,14 @@ def position_ids(
         the sample's own delta (an empty sample's is 0).
 
     Raises:
-        ValueError: unknown variant or option, a ``dtype`` that is not a real integer or floating type, a batch
-            of no tokens (``S = 0``), ``cu_seqlens`` of a form not listed above (a string, floats, a dict ...), or
-            (``validate``) inputs that do not fit together: token types outside 0/1/2, ids outside an integer
-            ``dtype``'s range, a ``grid_thw`` whose rows do not match the vision blocks, ``cu_seqlens`` that do
+        ValueError: unknown variant or option, an option value of the wrong kind (:meth:`Design.options`: a
+            number that is not finite, positive and at most 2**20, a bool or string for a number ...), a ``dtype``
+            that is not a real integer or floating type, a ``pad_position`` that ``dtype`` cannot hold, token types
+            that are not integers, a batch of no tokens (``B = 0`` or ``S = 0``), a ``spatial_merge_size`` that is
+            not a positive integer below 2**63, ``cu_seqlens`` of a form not listed above (a string, floats, a dict
+            ...), or (``validate``) inputs that do not fit together: token types outside 0/1/2, ids outside an
+            integer ``dtype``'s range, a grid row of more tokens than the batch, ``second_per_grid_ts`` that are not
+            finite and >= 0, a ``grid_thw`` whose rows do not match the vision blocks, ``cu_seqlens`` that do
             not start at 0, decrease, or do not end at the row length, a vision block straddling a sample
             boundary, or (``cu_seqlens`` with ``attention_mask``) padding between two real tokens of one sample
             (:meth:`vlpe.encodings.multimodal.Samples.holes`).
