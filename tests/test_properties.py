@@ -79,3 +79,67 @@ def test_keep_fp32_encodings_survive_downcasts_exactly(name):
         if k in before and "." not in k:  # the module's own state (submodules follow their own rule)
             assert v.dtype == torch.float32, f"{name}.{k} dropped to {v.dtype}"
             assert torch.equal(v, before[k].float()), f"{name}.{k} changed value through .bfloat16()"
+
+
+#: the default build is ``build(name, dim=64, num_heads=4, depth=2)``; a name refused at that size builds with
+#: these options instead, each with the reason (LookHere's presets deal heads in blocks of 4 to 3 direction groups,
+#: so they need at least 9 heads)
+DEFAULT_BUILD_OVERRIDES = {
+    "lh45": ({"num_heads": 12}, "three direction groups need at least 9 heads"),
+    "lh90": ({"num_heads": 12}, "three direction groups need at least 9 heads"),
+    "lh180": ({"num_heads": 12}, "three direction groups need at least 9 heads"),
+}
+
+
+def _default_build(name):
+    size = {"dim": 64, "num_heads": 4, "depth": 2}
+    size.update(DEFAULT_BUILD_OVERRIDES.get(name, ({}, ""))[0])
+    if size["dim"] % size["num_heads"]:
+        size["dim"] = 16 * size["num_heads"]
+    return vlpe.encodings.build(name, **size)
+
+
+@pytest.mark.parametrize("name", vlpe.encodings.available())
+def test_property_report_passes_at_default_build(name):
+    """Every registered encoding, built with its defaults, passes every line of its property report: each claim,
+    the error behaviour and (rotary encodings) the scaling checks. PyPE's default build carries its -inf ring mask,
+    which the kit compares as equal where both sides mask."""
+    report = vlpe.testing.property_report(_default_build(name))
+    failed = {k: v for k, v in report.items() if v.startswith("FAIL")}
+    assert not failed, f"{name}: {failed}"
+    assert "errors" in report
+
+
+def test_default_build_overrides_are_needed():
+    """An override of the default build is kept only while the plain size is refused (with a ValueError)."""
+    for name, (opts, reason) in DEFAULT_BUILD_OVERRIDES.items():
+        assert reason
+        with pytest.raises(ValueError):
+            vlpe.encodings.build(name, dim=64, num_heads=4, depth=2)
+
+
+def test_masked_logits_compare_equal_only_where_both_are_masked():
+    """The kit's difference: equal masks are equal (not NaN), a mask on one side only is an infinite difference,
+    and a NaN stays a failure."""
+    from vlpe.testing import max_difference
+
+    inf = float("inf")
+    a = torch.tensor([[0.5, -inf], [-inf, 2.0]])
+    assert max_difference(a, a.clone()) == 0.0
+    assert max_difference(a, a + 0.25) == 0.25
+    assert max_difference(a, torch.tensor([[0.5, -inf], [0.0, 2.0]])) == inf
+    assert max_difference(a, torch.tensor([[0.5, inf], [-inf, 2.0]])) == inf
+    assert max_difference(a, torch.tensor([[float("nan"), -inf], [-inf, 2.0]])) != max_difference(a, a)
+
+
+def test_pype_mask_differences_fail_the_kit():
+    """A PyPE mask that changes under a shift would fail ``relative``: planted by breaking the mask's order."""
+    import vlpe.testing as T
+
+    enc = vlpe.encodings.build("pype", dim=64, num_heads=4, depth=2)
+    assert T.property_report(enc)["relative"] == "ok"
+    pos = T.grid_positions(enc)
+    q, k = T.random_qk(enc, pos.num_tokens)
+    base = vlpe.attention_logits(enc, q, k, pos)
+    flipped = pos.with_coords(-pos.coords, keep_grid=False)  # reverses the ring order: other keys masked
+    assert T.max_difference(vlpe.attention_logits(enc, q, k, flipped), base) == float("inf")

@@ -44,6 +44,7 @@ __all__ = [
     "randomize_parameters",
     "sample_positions",
     "grid_positions",
+    "max_difference",
 ]
 
 
@@ -51,10 +52,38 @@ class PropertyFailure(AssertionError):
     """A claimed property does not hold; the message says by how much."""
 
 
+def max_difference(a: Tensor, b: Tensor) -> float:
+    """Largest ``|a - b|`` of two effects, masked logits included.
+
+    An entry masked in both (the same infinity, e.g. ``-inf`` logits of an attention mask) is equal; an entry
+    masked in one and not the other (or masked with opposite signs) is an infinite difference; a NaN anywhere
+    gives NaN. Plain subtraction would turn two equal masks into ``-inf - (-inf) = NaN``.
+
+    Args:
+        a, b: tensors of one shape.
+
+    Returns:
+        The largest difference (0.0 for empty tensors), ``inf`` where the masks differ.
+    """
+    if not a.numel():
+        return 0.0
+    a, b = a.double(), b.double()
+    both_masked = torch.isinf(a) & (a == b)
+    return (a - b).abs().masked_fill(both_masked, 0.0).max().item()
+
+
+def _largest_finite(t: Tensor) -> float:
+    """The largest finite ``|t|`` (masked ``-inf`` logits left out), 0.0 if there is none."""
+    finite = t.double().abs()
+    finite = finite[torch.isfinite(finite)]
+    return finite.max().item() if finite.numel() else 0.0
+
+
 def _close(a: Tensor, b: Tensor, atol: float, what: str) -> None:
-    err = (a.double() - b.double()).abs().max().item() if a.numel() else 0.0
+    err = max_difference(a, b)
     if not math.isfinite(err) or err > atol:
-        raise PropertyFailure(f"{what}: max abs difference {err:.3g} > {atol:.1g}")
+        why = " (an entry masked in one and not in the other)" if err == math.inf else ""
+        raise PropertyFailure(f"{what}: max abs difference {err:.3g} > {atol:.1g}{why}")
 
 
 def example(name: str, *, dim: int = 64, num_heads: int = 4, depth: int = 2, **overrides) -> Encoding:
@@ -273,7 +302,7 @@ def check_fp32_angles(enc: Encoding, *, rel_tol: float = 5e-2) -> None:
     ref_small = effects(enc, pos, q, k, small) if any(_acts_on_tokens(enc, pos)) else ref
     for how, out, base in (("bf16-autocast", low, ref), ("a .to(torch.bfloat16) copy's", bf16, ref_small)):
         for name, t in base.items():
-            err = (out[name].double() - t.double()).abs().max().item() / t.abs().max().clamp_min(1e-6).item()
+            err = max_difference(out[name], t) / max(_largest_finite(t), 1e-6)
             if not math.isfinite(err) or err > rel_tol:
                 raise PropertyFailure(f"fp32_angles: {how} {name} off by {err:.3g} (relative) > {rel_tol}")
 
@@ -320,7 +349,7 @@ def check_scaling(enc: Encoding, *, atol: float = 1e-4) -> None:
     for cfg in ({"type": "linear", "factor": 2.0}, {"type": "yarn", "factor": 2.0, "original_size": orig},
                 {"type": "ntk", "factor": 2.0}):
         enc.set_scaling(cfg)
-        err = (attention_logits(enc, q, k, pos) - base).abs().max().item()
+        err = max_difference(attention_logits(enc, q, k, pos), base)
         if not err > 1e-3:
             raise PropertyFailure(f"scaling: {cfg['type']} with factor 2 leaves the logits unchanged ({err:.2g})")
     enc.set_scaling(None)

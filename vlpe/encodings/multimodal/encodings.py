@@ -271,9 +271,6 @@ class PyPE(MultimodalRoPE):
     ``is_causal``). Checked against SakuraTroyChen/PyPE ``pype_forward``.
     """
 
-    #: the property kit runs the rotation alone (the -inf mask makes logit differences NaN)
-    example: ClassVar[dict] = {"mask": False}
-
     def __init__(self, *, spec: EncodingSpec, mask: bool = True, **kwargs) -> None:
         self.mask = bool(mask)
         depth, num_axes = spec.depth, spec.num_axes
