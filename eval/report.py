@@ -178,7 +178,8 @@ def design_text(claims: Sequence[dict]) -> str:
             f"The 95 % interval is the plain Student-t one over the look's seeds; the interval at the look's level "
             f"is the one the rule reads. Decisions use the records of claims protocol `{fp}` (records written before "
             f"it count for the first look of this protocol only). These are small CPU-sized models, not the papers' settings; the "
-            f"protocols were fixed before the comparison and are not tuned toward any sign. Per-seed differences: "
+            f"protocols were fixed before the comparison and are not tuned toward any sign, except where the claims' "
+            f"history below shows a claim changed after its data were published. Per-seed differences: "
             f"`results/claims.json` (`per_seed`).")  # fmt: skip
 
 
@@ -605,8 +606,9 @@ def provenance_text(audit: dict[str, Any]) -> str:
             part += (f"; {d['records']} dirty records at commit {c}, whose runs the message of "
                      f"{', '.join(d['said_clean_by'])} calls clean")
         parts.append(part)
-    return ("Provenance of the records (`results/provenance.json`; `dirty_files`, numpy and scipy are recorded from "
-            "now on, the records below were written before): " + "; ".join(parts) + ". A dirty record without its "
+    return ("Provenance of the records (`results/provenance.json`; records written from now on also name the files "
+            "that made a tree dirty and the numpy and scipy versions, which none of those counted here does): "
+            + "; ".join(parts) + ". A dirty record without its "
             "files cannot be checked further: its tree may have differed from the commit in any tracked file.")
 
 
