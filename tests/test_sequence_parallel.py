@@ -1,16 +1,18 @@
 """Ulysses sequence parallelism of the Qwen-VL fine-tune (``train.sequence_parallel``, train/sequence_parallel.py).
 
 - The grid (one 2-rank launch of tests/sequence_parallel_grid.py): SP=2 against whole rows (SP=1) on the same
-  batches of real mp4 / PNG samples, for mrope, mrope_i, videorope, hope_video, v2pe and vrope on Qwen2-VL,
+  batches of real mp4 / PNG samples, for mrope, mrope_i, videorope, hope_video, v2pe, vrope, mhrope on Qwen2-VL,
   Qwen2.5-VL (the processor's real ``second_per_grid_ts``) and Qwen3-VL (deepstack), packed and padded, plus eager
   attention and LoRA: the same loss at each of 3 SGD steps and the same gradients after step 1 (fp32, to rounding).
   The first batch of every configuration has a row of odd length (padded to the shards) and a video block that
   straddles the shard boundary. Planted bugs (ids cut along the wrong dim, labels not shifted) fail the comparison.
-- End to end (``deepspeed --num_gpus 2 train/vlm.py``): SP=2 at ZeRO-3 (packed, gradient checkpointing, vision
-  frozen) logs the losses of a one-rank SP=1 run of the same samples; resuming it with the same N ends
-  bit-identical to the uninterrupted run; a resume with another N is refused, naming ``sequence_parallel``.
-- Refusals before the model loads: heads N does not divide, an uncovered attention implementation, variants with
-  their own mask or per-head rotation, N not dividing the world size.
+- End to end (``deepspeed --num_gpus 2 train/vlm.py``): SP=2 at ZeRO-3 and at ZeRO-2 (packed, gradient
+  checkpointing, vision frozen) log the losses of a one-rank SP=1 run of the same samples; resuming the ZeRO-3 run
+  with the same N ends bit-identical to the uninterrupted run; a resume with another N is refused, naming
+  ``sequence_parallel``.
+- Refusals when the config is read: heads N does not divide, an uncovered attention implementation, a variant with
+  its own per-layer mask (PyPE); by the command line before the process group starts: N not dividing the world
+  size.
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ ROOT = Path(__file__).resolve().parents[1]
 PY = sys.executable
 DS = str(Path(PY).parent / "deepspeed")
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-VARIANTS = ("mrope", "mrope_i", "videorope", "hope_video", "v2pe", "vrope")
+VARIANTS = ("mrope", "mrope_i", "videorope", "hope_video", "v2pe", "vrope", "mhrope")
 FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")
 
 
@@ -95,14 +97,14 @@ def e2e(tmp_path_factory):
     return w, folder, data
 
 
-def command(folder, data, out, *extra, ranks=2):
+def command(folder, data, out, *extra, ranks=2, zero=3):
     launch = [DS, "--num_gpus", str(ranks), "--master_port", str(_port())] if ranks > 1 else [PY]
     return [*launch, "train/vlm.py", "--config", "configs/hf/qwen2_5_vl.yaml", f"model.hf_model={folder}",
             f"data.annotations={data['train']}", f"data.val_annotations={data['val']}",
             f"data.media_root={data['media_root']}", "train.micro_batch=2", "train.grad_accum=1", "train.lr=2e-3",
             "train.warmup_steps=1", "train.steps=3", "train.log_every=1", "train.val_every=100", "train.val_batches=1",
             "train.ckpt_every=1", "train.keep_checkpoints=3", "train.num_workers=0", "train.progress=false",
-            "data.max_frames=8", "data.packing=true", "model.variant=videorope", "train.zero_stage=3",
+            "data.max_frames=8", "data.packing=true", "model.variant=videorope", f"train.zero_stage={zero}",
             f"train.out_dir={out}", *extra]  # fmt: skip
 
 
@@ -122,10 +124,12 @@ def test_sequence_parallel_run_and_resume(e2e):
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
     w, folder, data = e2e
-    a, b, c, d = (w / x for x in "abcd")
+    a, b, c, d, e = (w / x for x in "abcde")
     run(command(folder, data, a, "train.sequence_parallel=2"))
     run(command(folder, data, b, ranks=1))
+    run(command(folder, data, e, "train.sequence_parallel=2", zero=2))
     assert losses(a) == pytest.approx(losses(b), rel=1e-5)  # SP=2 on 2 ranks = SP=1 on one, every step
+    assert losses(e) == pytest.approx(losses(b), rel=1e-5)  # at ZeRO-2 too
     # resume the SP=2 run from step 2 with the same N: bit-identical to the uninterrupted run
     for x in (c, d):
         (x / "checkpoints").mkdir(parents=True)
@@ -159,7 +163,6 @@ def _load(*overrides):
         (["train.sequence_parallel=3"], "8 attention heads and 4 KV heads"),
         (["train.sequence_parallel=2", "model.attn_implementation=flash_attention_2"], "model.attn_implementation"),
         (["train.sequence_parallel=2", "model.variant=pype"], "model.variant='pype'"),
-        (["train.sequence_parallel=2", "model.variant=mhrope"], "model.variant='mhrope'"),
         (["train.sequence_parallel=0"], "train.sequence_parallel must be"),
     ],
 )
@@ -170,6 +173,27 @@ def test_refused_when_the_config_is_read(tiny_qwen_vl, overrides, words):
     with pytest.raises(ConfigError) as e:
         _load(f"model.hf_model={folder}", "data.annotations=x.json", *overrides)
     assert words in str(e.value)
+
+
+def test_world_size_refused_by_the_command_line(tiny_qwen_vl, monkeypatch):
+    import deepspeed
+
+    from train.cli import parse
+    from train.config import ConfigError
+    from train.vlm_setup import VLMConfig
+
+    def started(*args, **kwargs):
+        raise AssertionError("the process group started before the configuration was checked")
+
+    monkeypatch.setattr(deepspeed, "init_distributed", started)
+    monkeypatch.setattr(torch.distributed, "init_process_group", started)
+    monkeypatch.setenv("WORLD_SIZE", "3")
+    argv = ["--config", str(ROOT / "configs/hf/qwen2_vl.yaml"), f"model.hf_model={tiny_qwen_vl('qwen2_vl')}",
+            "data.annotations=x.json", "train.sequence_parallel=2"]  # fmt: skip
+    with pytest.raises(ConfigError, match=r"train.sequence_parallel=2 must divide the number of processes \(3\)"):
+        parse(VLMConfig, argv)
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    assert parse(VLMConfig, argv)[0].train.sequence_parallel == 2
 
 
 def test_small_vlm_and_world_size_refusals():

@@ -126,6 +126,10 @@ def check_deepspeed(cfg: object) -> dict | None:
     import torch
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")  # as train.launch.setup_distributed
+    if getattr(train, "sequence_parallel", 1) > 1:  # sequence parallelism: N must divide the world size
+        from train.sequence_parallel import check_world
+
+        check_world(train.sequence_parallel, _launch_world_size())
     return deepspeed_config(train, overrides, world=_launch_world_size(), device=device)
 
 

@@ -71,7 +71,7 @@ def check_config(cfg) -> None:
 
     Raises:
         ConfigError: ``N < 1``; an attention implementation the wrapper does not cover; a variant with its own
-            attention mask or per-head rotation; a text decoder whose (KV) head count ``N`` does not divide, or
+            per-layer attention mask (PyPE); a text decoder whose (KV) head count ``N`` does not divide, or
             with sliding-window layers.
     """
     n = cfg.train.sequence_parallel
@@ -89,10 +89,10 @@ def check_config(cfg) -> None:
 
     variant = cfg.model.variant
     v = mm.VARIANTS.get(variant) if isinstance(variant, str) else None
-    if v is not None and (v.masked or v.per_head or v.layered):
+    if v is not None and (v.masked or v.layered):
         raise ConfigError(
             f"train.sequence_parallel={n} does not cover model.variant={variant!r} (its own per-layer attention mask "
-            "or per-head rotation is built from the ids of the whole row inside the attention call); use another "
+            "is built inside the attention call from the ids it is given, which are one shard's); use another "
             "variant or train.sequence_parallel=1"
         )
     if cfg.model.hf_model and (Path(cfg.model.hf_model) / "config.json").is_file():
