@@ -125,7 +125,8 @@ def test_text_only_reduces_to_1d_rope(variant):
     theta = 1e4
     kw = {"layer": 1} if variant == "pype" else {}
     cos, sin = mm.rotary(variant, ids, head_dim=64, theta=theta, num_kv_heads=4, **kw)
-    ref_cos, ref_sin = rope_1d_reference((mask.cumsum(-1) - 1).masked_fill(mask == 0, 1), 64, theta)
+    rotary_dim = mm.get_variant(variant).rotary_dim(64)  # Qwen3.5: a quarter of the head rotates
+    ref_cos, ref_sin = rope_1d_reference((mask.cumsum(-1) - 1).masked_fill(mask == 0, 1), rotary_dim, theta)
     if cos.dim() == 4:  # per-head tables: every KV head equals 1D RoPE on text
         ref_cos, ref_sin = ref_cos[:, None].expand_as(cos), ref_sin[:, None].expand_as(sin)
     if variant == "hope_video":  # the 8 lowest-frequency pairs (k >= 24 of 32) are not rotated

@@ -86,14 +86,21 @@ def _close(a: Tensor, b: Tensor, atol: float, what: str) -> None:
         raise PropertyFailure(f"{what}: max abs difference {err:.3g} > {atol:.1g}{why}")
 
 
-def example(name: str, *, dim: int = 64, num_heads: int = 4, depth: int = 2, **overrides) -> Encoding:
+def example(name: str, *, dim: int | None = None, num_heads: int | None = None, depth: int = 2,
+            **overrides) -> Encoding:
     """The encoding ``name`` in its declared example configuration (``Encoding.example``), at a small size:
-    what the property kit, the demo and the benchmarks run. ``overrides`` replace example options."""
+    what the property kit, the demo and the benchmarks run. ``overrides`` replace example options.
+
+    The size is ``dim=64, num_heads=4`` unless the example declares its own ``dim`` / ``num_heads`` (an encoding
+    that rotates a fraction of the head needs a wider head for its rotation to show); given ones win."""
     cls = get(name)
     opts = {**cls.example, **overrides}
+    size = {"dim": opts.pop("dim", 64), "num_heads": opts.pop("num_heads", 4)}
+    size["dim"] = size["dim"] if dim is None else dim
+    size["num_heads"] = size["num_heads"] if num_heads is None else num_heads
     if "num_axes" not in opts and cls.supported_axes:
         opts["num_axes"] = cls.supported_axes[0]
-    return build(name, dim=dim, num_heads=num_heads, depth=depth, **opts)
+    return build(name, depth=depth, **size, **opts)
 
 
 def examples(name: str, **kwargs) -> list[tuple[str, Encoding]]:

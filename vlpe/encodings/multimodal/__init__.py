@@ -47,6 +47,7 @@ API (Hugging Face 5.x conventions):
 
 Variants: ``rope1d`` (1d + none), ``mrope`` (grid + chunked), ``qwen25vl`` (absolute_time + chunked),
 ``mrope_i`` (grid + interleaved; ``spatial_reset=True`` option), ``qwen3vl`` (per_frame + interleaved),
+``qwen35`` (per_frame + round_robin, a quarter of the head rotating: ``Variant.partial_rotary_factor``),
 ``mhrope`` (grid + multi_head), ``videorope`` (diagonal, delta 2 + low_freq_temporal), ``hope_video``
 (diagonal, gamma + hybrid), ``vrope`` (vrope + interleaved over 4 axes), ``v2pe`` (v2pe + none),
 ``pype`` (pype + none, per layer). Each is also a registered vlpe encoding

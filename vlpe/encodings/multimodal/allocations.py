@@ -15,6 +15,8 @@ name                   map (defaults for K = 64)
                        [16, 24, 24]: t 0-15, h 16-39, w 40-63
 ``interleaved``        axis ``a > 0`` takes ``k = a (mod A)`` for ``k < A * section[a]``, axis 0 the rest;
                        MRoPE-I / Qwen3-VL [24, 20, 20]: t h w t h w ... t t t t; VRoPE [16]*4: ``k mod 4``
+``round_robin``        pair ``k`` reads axis ``k mod A``: ``interleaved`` with section ``ceil((K - a) / A)``;
+                       Qwen3.5 [11, 11, 10] at K = 32 (its 64 rotary channels of 256)
 ``multi_head``         ``section`` counts KV heads per axis (MHRoPE [2, 3, 3] of 8); a head uses all pairs of
                        its axis, heads beyond the section sum carry no position; the default section needs
                        at least 4 KV heads (below that time would get none: an error)
@@ -87,6 +89,10 @@ def _interleaved_section(K: int, A: int, num_kv_heads: int | None) -> tuple[int,
         return (K - 2 * hw, hw, hw)  # [24, 20, 20] at K = 64
     per = K // A
     return (K - per * (A - 1),) + (per,) * (A - 1)
+
+
+def _round_robin_section(K: int, A: int, num_kv_heads: int | None) -> tuple[int, ...]:
+    return tuple((K - a + A - 1) // A for a in range(A))  # [11, 11, 10] at K = 32, A = 3
 
 
 def _head_section(K: int, A: int, num_kv_heads: int | None) -> tuple[int, ...]:
@@ -173,6 +179,7 @@ ALLOCATIONS: dict[str, Allocation] = {
         Allocation(name="none", build=_build_none, default_section=_no_section, axes=None, one_axis=True),
         Allocation(name="chunked", build=_build_chunked, default_section=_thirds),
         Allocation(name="interleaved", build=_build_interleaved, default_section=_interleaved_section, axes=None),
+        Allocation(name="round_robin", build=_build_interleaved, default_section=_round_robin_section, axes=None),
         Allocation(name="multi_head", build=_build_heads, default_section=_head_section, per_head=True),
         Allocation(name="low_freq_temporal", build=_build_temporal_band(0, "low_freq_temporal"),
                    default_section=_thirds, section_sets_axes=False),

@@ -31,6 +31,7 @@ __all__ = [
     "Qwen25VLRoPE",
     "MRoPEInterleave",
     "Qwen3VLRoPE",
+    "Qwen35RoPE",
     "MultiHeadRoPE",
     "VideoRoPE",
     "HoPEVideo",
@@ -66,6 +67,9 @@ class MultimodalRoPE(RotaryEncoding):
         if self.theta <= 0:
             raise ValueError(f"theta must be > 0, got {theta}")
         self.section = None if section is None else tuple(section)
+        #: rotation pairs: the first ``2 * rotary_pairs`` channels rotate (partial rotary), the rest pass through
+        self.rotary_pairs = v.rotary_dim(self.head_dim) // 2 if self.head_dim % 2 == 0 else 0
+        self.band_pairs = self.rotary_pairs
         self.register_buffer("freqs", self._frequencies(), persistent=False)
         self._init_scaling(scaling)
 
@@ -104,14 +108,15 @@ class MultimodalRoPE(RotaryEncoding):
                 f"{self.num_axes}"
             )
         return allocation_map(
-            v.allocation, num_pairs=self.head_dim // 2, num_axes=self.num_axes, section=self.section
+            v.allocation, num_pairs=self.rotary_pairs, num_axes=self.num_axes, section=self.section
         )
 
     def _frequencies(self) -> Tensor:
         if self.head_dim % 2:
             raise ValueError(f"rotary encodings need an even head dim, got {self.head_dim}")
-        base = inv_freq(self.head_dim // 2, self.theta, dim=self.head_dim)  # (D/2,)
-        return frequency_matrix(self._map(), base, self.num_axes)  # (A, D/2)
+        K = self.rotary_pairs
+        base = inv_freq(K, self.theta, dim=2 * K)  # (K,) K = rotary_dim / 2 (D/2 unless partial)
+        return frequency_matrix(self._map(), base, self.num_axes)  # (A, K)
 
     def positions(
         self,
@@ -201,6 +206,25 @@ class Qwen3VLRoPE(MRoPEInterleave):
     """
 
 
+@_view("qwen35")
+class Qwen35RoPE(MRoPEInterleave):
+    """Qwen3.5's partial-rotary interleaved MRoPE: a quarter of the head dim rotates, pair ``k`` reads axis ``k mod 3``.
+
+    ``partial_rotary_factor`` 0.25: with head_dim 256 the first 64 channels rotate (K = 32 pairs, half layout of
+    those 64 channels, frequencies ``theta ** (-2k / 64)``, base 1e7) and the other 192 pass through; the
+    ``round_robin`` allocation gives t, h, w the section [11, 11, 10] (t 0, 3, ..., 30; h 1, 4, ..., 31;
+    w 2, 5, ..., 29); ids of the ``per_frame`` design (every video frame its own ``T = 1`` block, as Qwen3-VL).
+
+    Reference: Qwen team, Qwen3.5 (2026). Tables checked against transformers 5.24
+    ``Qwen3_5TextRotaryEmbedding`` + ``apply_rotary_pos_emb`` (huggingface/transformers, the installed release) and
+    ids against ``Qwen3_5Model.get_rope_index``; the allocation as JJJYmmm/Multimodal-RoPEs @ cd413b9
+    (``freq_allocation/mrope_i.py``, ``tests/test_qwen35_partial_rope.py``).
+    """
+
+    #: a quarter of a 16-channel head is 2 pairs, too few for the property kit to see NTK scaling at base 1e7
+    example: ClassVar[dict] = {"dim": 256}
+
+
 @_view("mhrope")
 class MultiHeadRoPE(MultimodalRoPE):
     """Multi-Head RoPE (Huang et al., arXiv 2510.23095): whole KV heads per axis ([2, 3, 3] of 8), GQA aware.
@@ -219,8 +243,8 @@ class MultiHeadRoPE(MultimodalRoPE):
         H, Hkv = self.num_heads, self.num_kv_heads
         if Hkv is None or Hkv < 1 or H % Hkv:
             raise ValueError(f"num_kv_heads must divide num_heads={H}, got {Hkv}")
-        amap = allocation_map(self.active_variant.allocation, num_pairs=self.head_dim // 2, section=self.section,
-                              num_kv_heads=Hkv)  # (H_kv, D/2)
+        amap = allocation_map(self.active_variant.allocation, num_pairs=self.rotary_pairs, section=self.section,
+                              num_kv_heads=Hkv)  # (H_kv, K)
         return amap.repeat_interleave(H // Hkv, dim=0)  # (H, D/2): query head j reads KV head j // rep
 
 
@@ -295,7 +319,8 @@ class PyPE(MultimodalRoPE):
             raise ValueError(f"rotary encodings need an even head dim, got {self.head_dim}")
         if self.section is not None:
             raise ValueError("PyPE uses plain 1D frequencies; it takes no section")
-        return inv_freq(self.head_dim // 2, self.theta, dim=self.head_dim).unsqueeze(0)  # (1, D/2)
+        K = self.rotary_pairs
+        return inv_freq(K, self.theta, dim=2 * K).unsqueeze(0)  # (1, K)
 
     def positions(self, mm_token_type_ids, grid_thw, attention_mask=None, spatial_merge_size=2, **options):
         """Per-layer PyPE positions ``(B, S, depth)`` for this encoding's depth (see the base class)."""

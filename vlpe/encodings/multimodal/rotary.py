@@ -62,7 +62,7 @@ def frequencies(
     """
     v = get_variant(variant)
     sec = tuple(section) if section is not None else v.section
-    rotary_dim = head_dim if rotary_dim is None else rotary_dim
+    rotary_dim = v.rotary_dim(head_dim) if rotary_dim is None else rotary_dim
     if rotary_dim % 2 or rotary_dim < 2 or rotary_dim > head_dim:
         raise ValueError(f"rotary_dim must be even and in [2, head_dim={head_dim}], got {rotary_dim}")
     K = rotary_dim // 2
@@ -152,7 +152,8 @@ def rotary(
     Args:
         variant: a registered variant name or a :class:`Variant`.
         position_ids: ``(A, B, S)`` from :func:`position_ids` (``(B, S)`` is taken as one axis).
-        head_dim: attention head dim; ``rotary_dim`` (default ``head_dim``) rotary channels of it.
+        head_dim: attention head dim; ``rotary_dim`` rotary channels of it (default: the variant's
+            :meth:`Variant.rotary_dim`, ``int(head_dim * partial_rotary_factor)``; all of it but for Qwen3.5).
         theta: RoPE base (default: the variant's).
         num_kv_heads: key/value heads (``multi_head`` allocation).
         allocation, section: override the variant's frequency allocation / its section.

@@ -38,6 +38,9 @@ class Variant:
         section: the allocation's section (None: the default scaled to the head dim).
         theta: default RoPE base.
         name: the registered name, if any.
+        partial_rotary_factor: the fraction of the head dim that rotates (transformers' ``partial_rotary_factor``):
+            the first ``rotary_dim = int(head_dim * factor)`` channels, in the half layout of those channels, with
+            frequencies ``theta ** (-2k / rotary_dim)``; the other channels pass through unrotated (Qwen3.5: 0.25).
     """
 
     design: str
@@ -46,6 +49,7 @@ class Variant:
     section: tuple[int, ...] | None = None
     theta: float = 10000.0
     name: str | None = None
+    partial_rotary_factor: float = 1.0
 
     def __post_init__(self) -> None:
         d = get_design(self.design)
@@ -58,6 +62,28 @@ class Variant:
             object.__setattr__(self, "section", tuple(self.section))
         if self.theta <= 0:
             raise ValueError(f"theta must be > 0, got {self.theta}")
+        f = self.partial_rotary_factor
+        if isinstance(f, bool) or not isinstance(f, (int, float)) or not 0 < f <= 1:
+            raise ValueError(
+                f"partial_rotary_factor (the fraction of the head dim that rotates) must be a number in (0, 1], "
+                f"got {f!r}"
+            )
+
+    def rotary_dim(self, head_dim: int) -> int:
+        """The rotated channels of a head of ``head_dim``: ``int(head_dim * partial_rotary_factor)`` (transformers'
+        rule), the whole head without a partial factor.
+
+        Raises:
+            ValueError: the rotated part is odd or empty (no whole rotation pair).
+        """
+        rd = int(head_dim * self.partial_rotary_factor)
+        if rd < 2 or rd % 2:
+            raise ValueError(
+                f"rotary_dim must be even and in [2, head_dim={head_dim}], got {rd} (= int(head_dim * "
+                f"partial_rotary_factor {self.partial_rotary_factor}) of {self.label}); choose a head_dim that makes "
+                "it one"
+            )
+        return rd
 
     @property
     def label(self) -> str:
@@ -122,6 +148,7 @@ VARIANTS: dict[str, Variant] = {
         Variant("absolute_time", "chunked", theta=1e6, name="qwen25vl"),
         Variant("grid", "interleaved", theta=1e6, name="mrope_i"),
         Variant("per_frame", "interleaved", theta=5e6, name="qwen3vl"),
+        Variant("per_frame", "round_robin", theta=1e7, name="qwen35", partial_rotary_factor=0.25),
         Variant("grid", "multi_head", theta=1e6, name="mhrope"),
         Variant("diagonal", "low_freq_temporal", {"temporal_scale": 2.0}, theta=1e6, name="videorope"),
         Variant("diagonal", "hybrid", {"temporal_scale": 0.75}, theta=1e6, name="hope_video"),
