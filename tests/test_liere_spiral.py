@@ -185,7 +185,7 @@ def test_spiral_logits_equal_the_reference_inside_the_grid(head_dim, rotate, sam
     inside = torch.cat([torch.tensor([False]), _interior(n, rotate)])
     assert inside.sum() > n * n // 3
     err = (got - ref)[..., inside, :][..., inside].abs().max().item()
-    assert err < 1e-5, err  # the frequency buffer is fp32 (as for every rotary encoding): ~1e-7 relative
+    assert err < 1e-5, err  # vlpe's rotary tables are fp32 (frequencies and angles): ~1e-7 relative
     if rotate > 1:  # at the corners the reference clamps its turned maps to the border: a documented difference
         assert (got - ref).abs().max().item() > 1e-3
 
