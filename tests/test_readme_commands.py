@@ -34,14 +34,15 @@ SHELL_LANGS = {"", "sh", "bash", "shell"}
 COMMAND = re.compile(r"^(make|python3?|deepspeed|\.venv/bin/\S+|\.|source)(\s|$)")
 LAUNCHER = re.compile(r"^(?:\S*/)?(python3?|deepspeed)$")
 
-#: parses a training script's command line as its main() does, without training
+#: parses a training script's command line as its main() does (with the config class of ``train/<script>_setup.py``),
+#: without training
 CHECK = (
     "import dataclasses, importlib, sys\n"
     "from train.cli import parse\n"
-    "mod = importlib.import_module('train.' + sys.argv[1])\n"
+    "mod = importlib.import_module('train.' + sys.argv[1] + '_setup')\n"
     "found = [c for n, c in vars(mod).items() if n.endswith('Config') and dataclasses.is_dataclass(c)\n"
     "         and c.__module__ == mod.__name__ and 'train' in {f.name for f in dataclasses.fields(c)}]\n"
-    "assert len(found) == 1, f'train/{sys.argv[1]}.py: expected one config class, found {found}'\n"
+    "assert len(found) == 1, f'train/{sys.argv[1]}_setup.py: expected one config class, found {found}'\n"
     "parse(found[0], sys.argv[2:])\n"
     "print('config ok:', sys.argv[1])\n"
 )
