@@ -62,7 +62,8 @@ def frequencies(
     """
     v = get_variant(variant)
     sec = tuple(section) if section is not None else v.section
-    rotary_dim = v.rotary_dim(head_dim) if rotary_dim is None else rotary_dim
+    if rotary_dim is None:  # given frequencies are a model's own: its rotary dim (a Qwen3.5 model's is partial)
+        rotary_dim = v.rotary_dim(head_dim) if inv_freq is None else 2 * torch.as_tensor(inv_freq).numel()
     if rotary_dim % 2 or rotary_dim < 2 or rotary_dim > head_dim:
         raise ValueError(f"rotary_dim must be even and in [2, head_dim={head_dim}], got {rotary_dim}")
     K = rotary_dim // 2
@@ -158,7 +159,8 @@ def rotary(
         num_kv_heads: key/value heads (``multi_head`` allocation).
         allocation, section: override the variant's frequency allocation / its section.
         inv_freq: ``(rotary_dim/2,)`` inverse frequencies to use instead of ``theta`` (e.g. YaRN-scaled ones
-            from ``transformers.modeling_rope_utils``), with their ``attention_scaling``.
+            from ``transformers.modeling_rope_utils``), with their ``attention_scaling``; without ``rotary_dim``
+            they set it (``2 * len(inv_freq)``: a model's own frequencies carry its own partial rotary factor).
         scaling: training-free scaling ``{"type": "linear" | "ntk" | "yarn", "factor": s, ...}``
             (:mod:`vlpe.encodings.functional.scaling`): ``factor`` a scalar or per axis (``{"t": 4}`` scales only
             the pairs that read time), ``original_size`` the training extent in position ids (YaRN); with a
