@@ -17,6 +17,9 @@ name                   map (defaults for K = 64)
                        MRoPE-I / Qwen3-VL [24, 20, 20]: t h w t h w ... t t t t; VRoPE [16]*4: ``k mod 4``
 ``round_robin``        pair ``k`` reads axis ``k mod A``: ``interleaved`` with section ``ceil((K - a) / A)``;
                        Qwen3.5 [11, 11, 10] at K = 32 (its 64 rotary channels of 256)
+``distributed``        MM-RoPE (Lumos-1): meta components of 8 pairs ``t t h w h w h w``, pair ``k`` reads
+                       ``(0, 0, 1, 2, 1, 2, 1, 2)[k mod 8]``: [16, 24, 24] at K = 64, every axis in every band;
+                       the pattern is fixed (a section other than its census is refused)
 ``multi_head``         ``section`` counts KV heads per axis (MHRoPE [2, 3, 3] of 8); a head uses all pairs of
                        its axis, heads beyond the section sum carry no position; the default section needs
                        at least 4 KV heads (below that time would get none: an error)
@@ -93,6 +96,25 @@ def _interleaved_section(K: int, A: int, num_kv_heads: int | None) -> tuple[int,
 
 def _round_robin_section(K: int, A: int, num_kv_heads: int | None) -> tuple[int, ...]:
     return tuple((K - a + A - 1) // A for a in range(A))  # [11, 11, 10] at K = 32, A = 3
+
+
+#: MM-RoPE's meta component: the axis of each of 8 consecutive pairs (2 t : 3 h : 3 w)
+DISTRIBUTED_PATTERN = (0, 0, 1, 2, 1, 2, 1, 2)
+
+
+def _distributed_section(K: int, A: int, num_kv_heads: int | None) -> tuple[int, ...]:
+    axes = [DISTRIBUTED_PATTERN[k % len(DISTRIBUTED_PATTERN)] for k in range(K)]
+    return tuple(axes.count(a) for a in range(3))  # [16, 24, 24] at K = 64
+
+
+def _build_distributed(k: Tensor, K: int, A: int, sec: tuple[int, ...], num_kv_heads: int | None) -> Tensor:
+    fixed = _distributed_section(K, A, num_kv_heads)
+    if tuple(sec) != fixed:
+        raise ValueError(
+            f"distributed allocation: the pattern t t h w h w h w is fixed, so its section at {K} pairs is "
+            f"{list(fixed)}, got {list(sec)}; omit section (or use the interleaved / chunked allocation)"
+        )
+    return torch.tensor(DISTRIBUTED_PATTERN, dtype=torch.int64)[k % len(DISTRIBUTED_PATTERN)]  # (K,)
 
 
 def _head_section(K: int, A: int, num_kv_heads: int | None) -> tuple[int, ...]:
@@ -180,6 +202,8 @@ ALLOCATIONS: dict[str, Allocation] = {
         Allocation(name="chunked", build=_build_chunked, default_section=_thirds),
         Allocation(name="interleaved", build=_build_interleaved, default_section=_interleaved_section, axes=None),
         Allocation(name="round_robin", build=_build_interleaved, default_section=_round_robin_section, axes=None),
+        Allocation(name="distributed", build=_build_distributed, default_section=_distributed_section,
+                   section_sets_axes=False),
         Allocation(name="multi_head", build=_build_heads, default_section=_head_section, per_head=True),
         Allocation(name="low_freq_temporal", build=_build_temporal_band(0, "low_freq_temporal"),
                    default_section=_thirds, section_sets_axes=False),

@@ -19,6 +19,9 @@ name                A     vision token coordinates, unit start ``s``; next text 
                           (Qwen2.5-VL)
 ``per_frame``       3     ``grid`` with every video frame its own ``T = 1`` block (Qwen3-VL; frames are separated
                           by timestamp text in the token sequence)
+``scaled_per_frame``  3   ``per_frame`` with every axis scaled, ``(s + st*tau, s + sh*i, s + sw*j)``;
+                          ``s + max(st*(T-1), sh*(H-1), sw*(W-1)) + 1`` (MM-RoPE of Lumos-1: ``position_scale``
+                          ``(st / temporal_stride, sh, sw)``, the latent-to-pixel compression)
 ``diagonal``        3     ``t' = s + g*tau``, ``(t', t' + i - (H-1)//2, t' + j - (W-1)//2)``; ``s + g*(T-1) + 1``
                           (VideoRoPE, g = delta = 2; HoPE, g = gamma fixed or drawn per block in training)
 ``vrope``           4     ``s + tau*(H+W-1) + u_r`` with the four diagonals ``u_r``; ``s + T*(H+W-1)`` (VRoPE)
@@ -179,6 +182,12 @@ def _mode(value: Any) -> str | None:
     return None if ok else "must be 'fix', 'rnd' or 'default'"
 
 
+def _three_scales(value: Any) -> str | None:
+    ok = isinstance(value, (list, tuple)) and len(value) == 3 and all(_positive_number(v) is None for v in value)
+    return None if ok else (f"must be three positive numbers (t, h, w) no larger than {OPTION_LIMIT}, e.g. "
+                            "(4, 8, 8) for a video latent compressed 4x in time and 8x in space")
+
+
 def _generator(value: Any) -> str | None:
     return None if value is None or isinstance(value, torch.Generator) else "must be a torch.Generator or None"
 
@@ -207,6 +216,7 @@ _OPTION_RULES: dict[str, Callable[[Any], str | None]] = {
     "temporal_scales": _positive_numbers("temporal scale"),
     "strides": _positive_numbers("stride"),
     "spatial_reset": _flag,
+    "position_scale": _three_scales,
     "training": _flag,
     "depth": _count,
     "interval": _count,
@@ -257,6 +267,22 @@ def _grid(L: TokenLayout, o: dict) -> DesignOut:
     offsets = (t, L.i, L.j)
     anchored = (True, False, False) if o["spatial_reset"] else (True, True, True)
     return DesignOut(offsets, adv.unsqueeze(0), anchored, floating, text_zero=True)
+
+
+def _scaled_grid(L: TokenLayout, o: dict) -> DesignOut:
+    """The grid with each axis' offsets multiplied by its scale (time also by ``temporal_stride``); the next text
+    position is the largest scaled offset + 1 (the maximum over all axes + 1, as the grid)."""
+    scale = [float(o["temporal_stride"]) * float(o["position_scale"][0])] + [float(v) for v in o["position_scale"][1:]]
+    T, H, W = _unit(L)
+    floating = not all(_integral(v) for v in scale)
+    if floating:
+        offsets = tuple(x.double() * v for x, v in zip((L.tau, L.i, L.j), scale))  # 3 x (B, S)
+        extent = [(n - 1).double() * v for n, v in zip((T, H, W), scale)]  # 3 x (R,)
+    else:
+        offsets = tuple(x * int(v) for x, v in zip((L.tau, L.i, L.j), scale))
+        extent = [(n - 1) * int(v) for n, v in zip((T, H, W), scale)]
+    adv = torch.maximum(torch.maximum(extent[0], extent[1]), extent[2]) + 1  # (R,)
+    return DesignOut(offsets, adv.unsqueeze(0), (True, True, True), floating, text_zero=True)
 
 
 def _absolute_time(L: TokenLayout, o: dict) -> DesignOut:
@@ -383,6 +409,9 @@ DESIGNS: dict[str, Design] = {
                summary="Qwen2.5-VL absolute time: t = floor(tau * second_per_grid_t * tokens_per_second)"),
         Design(name="per_frame", fn=_grid, defaults={"temporal_stride": 1, "spatial_reset": False}, split_frames=True,
                summary="Qwen3-VL: every frame is its own T = 1 block (timestamps are text between frames)"),
+        Design(name="scaled_per_frame", fn=_scaled_grid, split_frames=True,
+               defaults={"temporal_stride": 1, "position_scale": (1, 1, 1)},
+               summary="MM-RoPE (Lumos-1): per-frame grid with each axis scaled by position_scale"),
         Design(name="diagonal", fn=_diagonal,
                defaults={"temporal_scale": 2.0, "temporal_scales": HOPE_SCALES, "training": False, "generator": None},
                summary="VideoRoPE / HoPE diagonal layout with temporal scale (delta or gamma)"),

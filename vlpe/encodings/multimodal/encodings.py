@@ -33,6 +33,9 @@ __all__ = [
     "Qwen3VLRoPE",
     "Qwen35RoPE",
     "MultiHeadRoPE",
+    "ILRoPE",
+    "OmniRoPE",
+    "MMRoPE",
     "VideoRoPE",
     "HoPEVideo",
     "VRoPE",
@@ -246,6 +249,46 @@ class MultiHeadRoPE(MultimodalRoPE):
         amap = allocation_map(self.active_variant.allocation, num_pairs=self.rotary_pairs, section=self.section,
                               num_kv_heads=Hkv)  # (H_kv, K)
         return amap.repeat_interleave(H // Hkv, dim=0)  # (H, D/2): query head j reads KV head j // rep
+
+
+@_view("ilrope")
+class ILRoPE(MRoPEInterleave):
+    """IL-RoPE of Mogao (Liao et al., arXiv 2505.05472): interleaved (t, h, w) pairs over a reset visual layout.
+
+    Every vision unit (an image, or one video frame) sits at ``(s + stride * tau, i, j)``: time carries the running
+    position ``s``, height and width restart at 0 in every unit; text resumes at ``s + max(stride * (T - 1), H - 1,
+    W - 1) + 1`` (design ``per_frame`` with ``spatial_reset=True``). Allocation ``interleaved`` ([24, 20, 20] at
+    K = 64). Text-only input is 1D RoPE; text-to-image logits on the h, w pairs depend on the text's absolute index.
+
+    Reference: no official code of IL-RoPE is public; checked against JJJYmmm/Multimodal-RoPEs @ cd413b9
+    (``pos_design/ilrope.py`` = ``pos_design/omnirope.py``, ``freq_allocation/mrope_i.py``), the implementation of
+    the Qwen-team survey (Huang et al., arXiv 2510.23095), re-derived in the tests as a loop.
+    """
+
+
+@_view("omnirope")
+class OmniRoPE(MRoPE):
+    """Omni-RoPE of OmniGen2 (Wu et al., arXiv 2506.18871): chunked (t, h, w) pairs over a reset visual layout.
+
+    Ids as :class:`ILRoPE` (every vision unit at ``(shift, row, col)``, the shift advancing by the unit's largest
+    extent); allocation ``chunked`` [16, 24, 24] (t the highest-frequency band), as Qwen2-VL.
+
+    Reference: OmniGen2's released code applies it to diffusion image tokens; the Qwen-style token layout is checked
+    against JJJYmmm/Multimodal-RoPEs @ cd413b9 (``pos_design/omnirope.py``, ``freq_allocation/mrope.py``).
+    """
+
+
+@_view("mmrope")
+class MMRoPE(MultimodalRoPE):
+    """MM-RoPE of Lumos-1 (Yuan et al., arXiv 2507.08801): distributed meta components ``t t h w h w h w``.
+
+    Pair ``k`` reads axis ``(0, 0, 1, 2, 1, 2, 1, 2)[k mod 8]`` (2 : 3 : 3, [16, 24, 24] at K = 64), so every axis has
+    pairs in every frequency band; ids of the ``scaled_per_frame`` design, the grid with each axis scaled by
+    ``position_scale`` (default (1, 1, 1); Lumos-1 scales latent coordinates toward pixel ones, e.g. (4, 8, 8)).
+
+    Reference: checked against JJJYmmm/Multimodal-RoPEs @ cd413b9 (``pos_design/mmrope.py``,
+    ``freq_allocation/mmrope.py``); Lumos-1's own code was not available to this library.
+    """
 
 
 @_view("videorope")
