@@ -65,7 +65,8 @@ class GRAPEMultiplicative(Encoding):
 
     Initialisation (``init="rope"``): plane ``j`` is the canonical pair ``(e_j, e_{j + D/2})`` (vlpe's half layout),
     ``u_j`` the one-hot axis and ``omega_j`` the frequency of vlpe ``rope`` with ``theta``: the encoding equals
-    ``rope`` until trained (up to the fp32 rounding of ``exp(log f)``). ``init="random"``: planes ``N(0, 1)``, directions ``N(0, 1)`` (then normalised).
+    ``rope`` until trained (up to the fp32 rounding of ``exp(log f)``). ``init="random"``: planes ``N(0, 1)``,
+    directions ``N(0, 1)`` (then normalised).
     Frequencies are ``exp(log_freq)`` (positive, the official parameterisation). Planes, directions and tables are
     fp32 (autocast off), built once per forward for every layer. Prefix tokens sit at 0 and are not rotated.
     ``neutralize()`` zeroes the directions (``theta = 0``, ``G = I``).

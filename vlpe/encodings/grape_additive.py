@@ -1,4 +1,5 @@
-"""Additive GRAPE: logit biases from a unipotent action in a lifted space, ``G(p) = I + sum_a p_a A_a``, ``A_a A_b = 0``.
+"""Additive GRAPE: logit biases from a unipotent action in a lifted space, ``G(p) = I + sum_a p_a A_a``, ``A_a A_b = 0``
+(all products of generators vanish).
 
 Zhang et al., "Group Representational Position Encoding" (arXiv 2512.07805), additive family. Lift queries and
 keys by two homogeneous channels, ``q^ = [q, 1, 0]`` and ``k^ = [k, 0, 1]``, and let a position act by the unipotent
