@@ -29,6 +29,11 @@ the training grid's extent along axis ``a`` in the coordinate units the encoding
 name (``t``/``h``/``w``, or the axis index): ``{"t": 4}`` scales only time, ``(2, 2)`` both image axes.
 With per-axis factors the YaRN temperature uses the largest one (for decoders, whose axes advance together,
 this is transformers' value); ``attention_factor`` sets it explicitly.
+
+VideoRoPE++'s YaRN-V (Wei et al. 2025; Wiselnn570/VideoRoPE @ 7712ca3, ``videorope_plus`` vLLM
+``MRotaryEmbedding``, branch ``videorope++_v1``) is not this module's ``yarn``: it keeps the spatial pairs and gives the
+temporal ones the NTK base ``theta * r ** (d / (d - 2))``, ``r = (factor * L0 - 1) / (L0 - 1)``, without a temperature,
+i.e. ``{"type": "ntk", "factor": {"t": r}}`` on VideoRoPE's allocation (equal to fp32 rounding).
 """
 
 from __future__ import annotations
