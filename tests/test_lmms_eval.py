@@ -287,3 +287,28 @@ def test_an_export_is_evaluated_as_it_was_trained(folder, tmp_path, monkeypatch)
     assert vlpe_hf.patch_of(stock.model) is None and (stock.fps, stock.max_frames) == (1.0, 6)
     plain = lmms_model(f"pretrained={folder},variant=none")  # no record: the documented defaults
     assert (plain.fps, plain.max_frames) == (2.0, 32)
+
+
+def test_the_recorded_pixel_budgets_resize_the_inputs(folder, include, tmp_path, monkeypatch):
+    """A folder trained at a smaller budget than its processor's is evaluated at that budget: the processor's own
+    output at the recorded size is the reference."""
+    from transformers import AutoModelForImageTextToText, AutoProcessor
+
+    from vlpe.integrations import transformers as vlpe_hf
+
+    for k, v in OFFLINE.items():
+        monkeypatch.setenv(k, v)
+    model = vlpe_hf.apply(AutoModelForImageTextToText.from_pretrained(folder, local_files_only=True), VARIANT)
+    export = tmp_path / "export"
+    budget = 28 * 28  # one merged patch per frame / image; the folder's processor allows up to 56 x 56
+    vlpe_hf.save_pretrained(model, export, processor=AutoProcessor.from_pretrained(folder, local_files_only=True),
+                            preprocessing={"max_pixels": budget, "image_max_pixels": budget})  # fmt: skip
+    docs = json.loads((include / "docs.json").read_text())
+    for media in (docs[0]["media"], docs[-1]["media"]):  # a video, the PNG
+        grids = []
+        for path in (folder, export):
+            lm = lmms_model(f"pretrained={path},variant={VARIANT},max_frames=4")
+            inputs = lm._inputs(request(lm, media, " red"))
+            grids.append(inputs.get("video_grid_thw", inputs.get("image_grid_thw")))
+        default, trained = grids
+        assert trained[0, 1:].prod() <= budget // 14**2 < default[0, 1:].prod(), (default, trained)

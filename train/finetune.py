@@ -374,11 +374,12 @@ def export(engine, out_dir: Path, *, processor, zero_stage: int, source: Path | 
 
 def preprocessing(cfg) -> dict[str, Any]:
     """The inputs a run trains on, as the export records them for the evaluators (``fps``, ``max_frames``,
-    ``min_pixels``, ``max_pixels``: the video frames' budget, which the video evaluators use; None where the
+    ``min_pixels``, ``max_pixels``: the video frames' budget, ``image_max_pixels``: the images'; None where the
     processor's own budget was used)."""
     d = cfg.data
     return {"fps": float(d.fps), "max_frames": int(d.max_frames), "min_pixels": d.min_pixels,
-            "max_pixels": d.video_max_pixels or d.max_pixels}  # fmt: skip
+            "max_pixels": d.video_max_pixels or d.max_pixels,
+            "image_max_pixels": d.image_max_pixels or d.max_pixels}  # fmt: skip
 
 
 def weight_keys(folder: Path) -> set[str]:

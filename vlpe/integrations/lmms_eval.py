@@ -24,8 +24,9 @@ what was expected):
 - ``max_frames`` and ``fps`` (default: those the folder was fine-tuned with, as its ``config.json`` records them
   (:func:`vlpe.integrations.transformers.recorded_preprocessing`), else 32 and 2.0): a video file is decoded with
   PyAV (``transformers.video_utils``) at ``fps`` frames per second of its duration, at most ``max_frames`` frames
-  spread evenly over the whole video
-  (a multiple of the processor's temporal patch); the processor sees those frames with their true timestamps.
+  spread evenly over the whole video (a multiple of the processor's temporal patch); the processor sees those
+  frames with their true timestamps. Images and frames are resized to the pixel budgets the folder was trained with
+  (its record's ``min_pixels`` / ``max_pixels`` / ``image_max_pixels``), else to the processor's own.
 - ``max_new_tokens`` (128): the generation budget when the task sets none.
 
 Requests: ``generate_until`` decodes greedily with the model's ``generate`` (a task's sampling settings are
@@ -47,7 +48,7 @@ import json
 import math
 import os
 from pathlib import Path
-from typing import Any, Iterator, Sequence
+from typing import Any, Iterator, Mapping, Sequence
 
 import torch
 
@@ -187,6 +188,8 @@ class _QwenVLRequests:
         self.max_frames = _positive("max_frames", trained.get("max_frames", 32) if max_frames is None else max_frames,
                                     int)  # fmt: skip
         self.fps = _positive("fps", trained.get("fps", 2.0) if fps is None else fps, float)
+        self.budgets = {"image": (trained.get("min_pixels"), trained.get("image_max_pixels", trained.get("max_pixels"))),
+                        "video": (trained.get("min_pixels"), trained.get("max_pixels"))}  # fmt: skip
         self.max_new_tokens = _positive("max_new_tokens", max_new_tokens, int)
         self._device = torch.device(device or _default_device())
         if dtype is None:
@@ -316,6 +319,16 @@ class _QwenVLRequests:
         pads = {"image": processor.image_token, "video": processor.video_token}
         return "".join(f"{start}{pads[k]}{end}" for k in kinds) + context
 
+    def _size(self, kind: str, default: Mapping[str, int], scale: int) -> dict | None:
+        """The processor's ``size`` for ``kind`` (``image`` / ``video``) from the budgets the folder was trained with
+        (``scale`` frames for a per-video budget); None when none was recorded."""
+        lo, hi = self.budgets[kind]
+        if lo is None and hi is None:
+            return None
+        lo = default["shortest_edge"] if lo is None else lo * scale
+        hi = default["longest_edge"] if hi is None else hi * scale
+        return {"shortest_edge": int(lo), "longest_edge": int(max(hi, lo))}
+
     def _inputs(self, request) -> dict:
         """The processor's tensors for a request's prompt (the last one is kept: the options of a multiple-choice
         document share it)."""
@@ -328,6 +341,9 @@ class _QwenVLRequests:
         images = [v for v in visuals if not isinstance(v, str)]
         if images:
             kwargs["images"] = images
+            size = self._size("image", self.processor.image_processor.size, 1)
+            if size is not None:
+                kwargs["images_kwargs"] = {"size": size}
         videos = []
         for v in visuals:
             if isinstance(v, str):
@@ -335,6 +351,13 @@ class _QwenVLRequests:
                     videos.append(self._frames(v))
         if videos:
             kwargs.update(videos=[f for f, _ in videos], video_metadata=[m for _, m in videos], do_sample_frames=False)
+            per_video = self.model.config.model_type == "qwen3_vl"  # its video budget counts every frame
+            size = self._size("video", self.processor.video_processor.size,
+                              max(len(f) for f, _ in videos) if per_video else 1)  # fmt: skip
+            if size is not None:
+                kwargs["videos_kwargs"] = {"size": size}
+                if getattr(self.processor.video_processor, "cap_pixels_per_frame", False) is None:
+                    kwargs["videos_kwargs"]["cap_pixels_per_frame"] = False  # the budget as given, no warning
         out = self.processor(text=[self._prompt(context, visuals)], return_tensors="pt", **kwargs)
         inputs = {k: v.to(self._device) if isinstance(v, torch.Tensor) else v for k, v in out.items()}
         self._prompt_cache = (key, inputs)

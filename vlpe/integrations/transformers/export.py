@@ -29,7 +29,9 @@ __all__ = [
     "keep_used_conversions", "PREPROCESSING",
 ]
 
-PREPROCESSING = ("fps", "max_frames", "min_pixels", "max_pixels")  # what a record may say about the inputs
+# what a record may say about the inputs: the video sampling and the pixel budgets (per video frame: min_pixels /
+# max_pixels; per image: min_pixels / image_max_pixels, else max_pixels)
+PREPROCESSING = ("fps", "max_frames", "min_pixels", "max_pixels", "image_max_pixels")
 
 
 def _config_file(path: str | Path) -> tuple[Path, dict[str, Any]]:
@@ -157,8 +159,9 @@ def save_pretrained(
 
 
 def recorded_preprocessing(path: str | Path) -> dict[str, Any]:
-    """The inputs the checkpoint folder ``path`` was trained on, as its record keeps them (``fps``, ``max_frames``,
-    ``min_pixels``, ``max_pixels``; ``{}`` when none were recorded).
+    """The inputs the checkpoint folder ``path`` was trained on, as its record keeps them (:data:`PREPROCESSING`:
+    ``fps``, ``max_frames``, ``min_pixels``, ``max_pixels`` per video frame, ``image_max_pixels``; ``{}`` when none
+    were recorded).
 
     Raises:
         ValueError: as :func:`recorded_variant` for the folder, or a ``preprocessing`` entry that is not a dict of
