@@ -22,6 +22,10 @@ name                A     vision token coordinates, unit start ``s``; next text 
 ``scaled_per_frame``  3   ``per_frame`` with every axis scaled, ``(s + st*tau, s + sh*i, s + sw*j)``;
                           ``s + max(st*(T-1), sh*(H-1), sw*(W-1)) + 1`` (MM-RoPE of Lumos-1: ``position_scale``
                           ``(st / temporal_stride, sh, sw)``, the latent-to-pixel compression)
+``circle``          3     per frame, the centred grid ``(j - (W-1)/2, i - (H-1)/2)`` mapped onto a circle of radius
+                          ``r`` (angle ``alpha`` x its normalised polar angle + ``(1 - alpha)`` x its raster share of
+                          2 pi) in the plane orthogonal to the text diagonal ``(1, 1, 1)``, ``s`` added on every
+                          axis; ``s + max(ids - s) + 1`` (Circle-RoPE, radius 10, alpha 0.5)
 ``diagonal``        3     ``t' = s + g*tau``, ``(t', t' + i - (H-1)//2, t' + j - (W-1)//2)``; ``s + g*(T-1) + 1``
                           (VideoRoPE, g = delta = 2; HoPE, g = gamma fixed or drawn per block in training)
 ``vrope``           4     ``s + tau*(H+W-1) + u_r`` with the four diagonals ``u_r``; ``s + T*(H+W-1)`` (VRoPE)
@@ -182,6 +186,10 @@ def _mode(value: Any) -> str | None:
     return None if ok else "must be 'fix', 'rnd' or 'default'"
 
 
+def _unit_interval(value: Any) -> str | None:
+    return None if _real(value) and 0 <= value <= 1 else "must be a number from 0 to 1"
+
+
 def _three_scales(value: Any) -> str | None:
     ok = isinstance(value, (list, tuple)) and len(value) == 3 and all(_positive_number(v) is None for v in value)
     return None if ok else (f"must be three positive numbers (t, h, w) no larger than {OPTION_LIMIT}, e.g. "
@@ -217,6 +225,8 @@ _OPTION_RULES: dict[str, Callable[[Any], str | None]] = {
     "strides": _positive_numbers("stride"),
     "spatial_reset": _flag,
     "position_scale": _three_scales,
+    "radius": _positive_number,
+    "alpha": _unit_interval,
     "training": _flag,
     "depth": _count,
     "interval": _count,
@@ -283,6 +293,39 @@ def _scaled_grid(L: TokenLayout, o: dict) -> DesignOut:
         extent = [(n - 1) * int(v) for n, v in zip((T, H, W), scale)]
     adv = torch.maximum(torch.maximum(extent[0], extent[1]), extent[2]) + 1  # (R,)
     return DesignOut(offsets, adv.unsqueeze(0), (True, True, True), floating, text_zero=True)
+
+
+def _circle(L: TokenLayout, o: dict) -> DesignOut:
+    """Circle-RoPE: every unit's grid centred, mapped onto a circle and turned into the plane orthogonal to the
+    text diagonal, so every vision token is at the same distance from the text positions ``(s, s, s)``."""
+    radius, alpha = float(o["radius"]), float(o["alpha"])
+    R = L.num_rows
+    H, W = L.H.double(), L.W.double()
+    x = L.j.double() - (W - 1) / 2  # (B, S) centred column ...
+    y = L.i.double() - (H - 1) / 2  # ... and row (move_to_origin)
+    polar = torch.atan2(y, x)  # (B, S)
+    row = L.row.clamp(0, max(R - 1, 0))
+    inf = torch.tensor(math.inf, dtype=torch.float64, device=L.device)
+    lo = torch.full((max(R, 1),), math.inf, dtype=torch.float64, device=L.device).scatter_reduce(
+        0, row.reshape(-1), torch.where(L.vision, polar, inf).reshape(-1), "amin")  # (R,) per unit
+    hi = torch.full((max(R, 1),), -math.inf, dtype=torch.float64, device=L.device).scatter_reduce(
+        0, row.reshape(-1), torch.where(L.vision, polar, -inf).reshape(-1), "amax")
+    span = L.rows_to_tokens((hi - lo)[:R]) if R else torch.zeros_like(polar)
+    lo_t = L.rows_to_tokens(lo[:R]) if R else torch.zeros_like(polar)
+    spread = torch.where(span > 0, (polar - lo_t) / torch.where(span > 0, span, 1.0) * (2 * math.pi), polar)
+    share = L.index.double() % (H * W) / (H * W) * (2 * math.pi)  # the raster index's share of a turn
+    angle = alpha * spread + (1 - alpha) * share
+    cx, cy = radius * torch.cos(angle), radius * torch.sin(angle)
+    u = (-1 / math.sqrt(2), 1 / math.sqrt(2), 0.0)  # an orthonormal basis of the plane orthogonal to (1, 1, 1)
+    v = (-1 / math.sqrt(6), -1 / math.sqrt(6), 2 / math.sqrt(6))
+    w_, h_, t_ = (cx * u[a] + cy * v[a] for a in range(3))  # the circle's x, y, z in that plane
+    top = torch.maximum(torch.maximum(t_, h_), w_)  # (B, S)
+    if R:
+        far = torch.full((R,), -math.inf, dtype=torch.float64, device=L.device).scatter_reduce(
+            0, row.reshape(-1), torch.where(L.vision, top, -inf).reshape(-1), "amax")
+    else:
+        far = torch.zeros(0, dtype=torch.float64, device=L.device)
+    return DesignOut((t_, h_, w_), (far + 1).unsqueeze(0), (True, True, True), True)
 
 
 def _absolute_time(L: TokenLayout, o: dict) -> DesignOut:
@@ -412,6 +455,8 @@ DESIGNS: dict[str, Design] = {
         Design(name="scaled_per_frame", fn=_scaled_grid, split_frames=True,
                defaults={"temporal_stride": 1, "position_scale": (1, 1, 1)},
                summary="MM-RoPE (Lumos-1): per-frame grid with each axis scaled by position_scale"),
+        Design(name="circle", fn=_circle, split_frames=True, defaults={"radius": 10.0, "alpha": 0.5},
+               summary="Circle-RoPE: each frame's grid on a circle orthogonal to the text diagonal"),
         Design(name="diagonal", fn=_diagonal,
                defaults={"temporal_scale": 2.0, "temporal_scales": HOPE_SCALES, "training": False, "generator": None},
                summary="VideoRoPE / HoPE diagonal layout with temporal scale (delta or gamma)"),

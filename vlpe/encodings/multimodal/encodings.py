@@ -36,6 +36,7 @@ __all__ = [
     "ILRoPE",
     "OmniRoPE",
     "MMRoPE",
+    "CircleRoPE",
     "VideoRoPE",
     "HoPEVideo",
     "VRoPE",
@@ -288,6 +289,24 @@ class MMRoPE(MultimodalRoPE):
 
     Reference: checked against JJJYmmm/Multimodal-RoPEs @ cd413b9 (``pos_design/mmrope.py``,
     ``freq_allocation/mmrope.py``); Lumos-1's own code was not available to this library.
+    """
+
+
+@_view("circlerope")
+class CircleRoPE(MRoPE):
+    """Circle-RoPE (Wang et al., arXiv 2505.16416): every image on a circle orthogonal to the text diagonal.
+
+    Each vision unit (an image, or one video frame) has its grid centred, mapped onto a circle of radius ``r`` = 10
+    (angle ``alpha`` = 0.5 times the polar angle normalised to a full turn over the unit, plus ``1 - alpha`` times
+    the token's raster share of a turn) in the plane orthogonal to ``(1, 1, 1)``, and shifted by the running
+    position ``s`` on every axis: every vision token is equally far from the text positions ``(s, s, s)``. Text
+    resumes at the unit's largest id + 1; allocation ``chunked`` [16, 24, 24] (Qwen2.5-VL's). Video frames are
+    separate units (the released code handles images; frames as Qwen3-VL blocks follow JJJYmmm/Multimodal-RoPEs).
+    Not implemented: the released per-layer alternation with MRoPE ids (``AGE_mode``), ``dff_rate``,
+    ``move_to_positive`` and the ``auto`` radius.
+
+    Reference: lose4578/CircleRoPE @ 063fb2c (``code/circle_rope.py`` ``get_circle_rope_index``, config radius 10,
+    alpha 0.5, ``move_to_origin``), and JJJYmmm/Multimodal-RoPEs @ cd413b9 (``pos_design/circlerope.py``).
     """
 
 
