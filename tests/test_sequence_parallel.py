@@ -6,8 +6,9 @@
   attention and LoRA: the same loss at each of 3 SGD steps and the same gradients after step 1 (fp32, to rounding).
   The first batch of every configuration has a row of odd length (padded to the shards) and a video block that
   straddles the shard boundary. Planted bugs (ids cut along the wrong dim, labels not shifted) fail the comparison.
-- End to end (``deepspeed --num_gpus 2 train/vlm.py``): SP=2 at ZeRO-3 and at ZeRO-2 (packed, gradient
-  checkpointing, vision frozen) log the losses of a one-rank SP=1 run of the same samples; resuming the ZeRO-3 run
+- End to end (``deepspeed train/vlm.py``, packed, gradient checkpointing, vision frozen): SP=2 on 2 ranks at ZeRO-3
+  logs the losses of a one-rank SP=1 run of the same samples, and SP=2 on 4 ranks at ZeRO-2 (two data-parallel
+  groups) those of a 2-rank SP=1 run; resuming the ZeRO-3 run
   with the same N ends bit-identical to the uninterrupted run; a resume with another N is refused, naming
   ``sequence_parallel``.
 - Refusals when the config is read: heads N does not divide, an uncovered attention implementation, a variant with
@@ -124,12 +125,14 @@ def test_sequence_parallel_run_and_resume(e2e):
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
     w, folder, data = e2e
-    a, b, c, d, e = (w / x for x in "abcde")
+    a, b, c, d, e, f = (w / x for x in "abcdef")
     run(command(folder, data, a, "train.sequence_parallel=2"))
     run(command(folder, data, b, ranks=1))
-    run(command(folder, data, e, "train.sequence_parallel=2", zero=2))
     assert losses(a) == pytest.approx(losses(b), rel=1e-5)  # SP=2 on 2 ranks = SP=1 on one, every step
-    assert losses(e) == pytest.approx(losses(b), rel=1e-5)  # at ZeRO-2 too
+    # ZeRO-2 with two data-parallel groups of 2: 4 ranks at SP=2 = 2 ranks at SP=1 (the same samples per step)
+    run(command(folder, data, e, "train.sequence_parallel=2", zero=2, ranks=4))
+    run(command(folder, data, f, zero=2))
+    assert losses(e) == pytest.approx(losses(f), rel=1e-5)
     # resume the SP=2 run from step 2 with the same N: bit-identical to the uninterrupted run
     for x in (c, d):
         (x / "checkpoints").mkdir(parents=True)

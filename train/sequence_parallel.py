@@ -289,7 +289,7 @@ class SequenceParallel:
         out = dict(kwargs)
         out["inputs_embeds"] = embeds[:, lo:hi]  # (B, S' / N, C)
         out["position_ids"] = pos[..., lo:hi]  # (R, B, S' / N)
-        out["attention_mask"] = full  # 4D: the text model keeps it as it is (the wrapper reads self.mask)
+        out["attention_mask"] = full  # 4D, kept as it is by the text model, or None (the wrapper reads self.mask)
         out["vlpe_sp"] = self
         seen = kwargs.get("visual_pos_masks")
         if seen is not None:  # Qwen3-VL's deepstack: the shard's visual tokens and their features
