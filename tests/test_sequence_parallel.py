@@ -58,6 +58,7 @@ def work(tmp_path_factory):
     return tmp_path_factory.mktemp("sp")
 
 
+@pytest.mark.slow
 def test_sequence_parallel_matches_whole_rows(work):
     results = grid(work)
     assert {(r["family"], r["variant"], r["packing"]) for r in results} == {
@@ -74,6 +75,7 @@ def test_sequence_parallel_matches_whole_rows(work):
         assert r["losses"][1][0] != r["losses"][0][0], name  # the steps trained
 
 
+@pytest.mark.slow
 def test_planted_bugs_fail_the_comparison(work):
     results = grid(work, "--plant", "ids_batch_dim,labels_unshifted")
     assert [r["plant"] for r in results] == ["ids_batch_dim", "labels_unshifted"]
@@ -121,6 +123,7 @@ def losses(out: Path) -> list[float]:
     return [json.loads(x)["loss"] for x in lines if json.loads(x)["split"] == "train"]
 
 
+@pytest.mark.slow
 def test_sequence_parallel_run_and_resume(e2e):
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
