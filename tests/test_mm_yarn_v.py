@@ -72,7 +72,8 @@ def test_yarn_v_is_vlpe_time_only_ntk():
 
 def test_yarn_v_differs_from_vlpe_time_only_yarn():
     """Time-only YaRN (NTK-by-parts over the original extent, temperature 0.1 ln 4 + 1) is another rule: on the
-    spatial pairs its tables are YaRN-V's times the temperature, on the temporal pairs they differ well beyond the fp32 rounding."""
+    spatial pairs its tables are YaRN-V's times the temperature, on the temporal pairs they differ well beyond the fp32
+    rounding."""
     ids = long_video_ids(30000.0)
     cos, _ = mm.rotary("videorope", ids.double(), head_dim=HEAD_DIM, dtype=torch.float64,
                        scaling={"type": "yarn", "factor": {"t": FACTOR}, "original_size": [L0, L0, L0]})

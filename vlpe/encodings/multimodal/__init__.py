@@ -49,7 +49,8 @@ Variants: ``rope1d`` (1d + none), ``mrope`` (grid + chunked), ``qwen25vl`` (abso
 ``mrope_i`` (grid + interleaved; ``spatial_reset=True`` option), ``qwen3vl`` (per_frame + interleaved),
 ``qwen35`` (per_frame + round_robin, a quarter of the head rotating: ``Variant.partial_rotary_factor``),
 ``mhrope`` (grid + multi_head), ``ilrope`` (per_frame with spatial reset + interleaved), ``omnirope`` (the same
-ids + chunked), ``mmrope`` (scaled_per_frame + distributed), ``circlerope`` (circle + chunked), ``videorope`` (diagonal, delta 2 + low_freq_temporal), ``hope_video``
+ids + chunked), ``mmrope`` (scaled_frames + distributed), ``circlerope`` (circle + chunked),
+``videorope`` (diagonal, delta 2 + low_freq_temporal), ``hope_video``
 (diagonal, gamma + hybrid), ``vrope`` (vrope + interleaved over 4 axes), ``v2pe`` (v2pe + none),
 ``pype`` (pype + none, per layer). Each is also a registered vlpe encoding
 (``vlpe.encodings.build("mrope_i", dim=..., num_heads=..., num_axes=3)``) that takes

@@ -19,7 +19,7 @@ name                A     vision token coordinates, unit start ``s``; next text 
                           (Qwen2.5-VL)
 ``per_frame``       3     ``grid`` with every video frame its own ``T = 1`` block (Qwen3-VL; frames are separated
                           by timestamp text in the token sequence)
-``scaled_per_frame``  3   ``per_frame`` with every axis scaled, ``(s + st*tau, s + sh*i, s + sw*j)``;
+``scaled_frames``   3     ``per_frame`` with every axis scaled, ``(s + st*tau, s + sh*i, s + sw*j)``;
                           ``s + max(st*(T-1), sh*(H-1), sw*(W-1)) + 1`` (MM-RoPE of Lumos-1: ``position_scale``
                           ``(st / temporal_stride, sh, sw)``, the latent-to-pixel compression)
 ``circle``          3     per frame, the centred grid ``(j - (W-1)/2, i - (H-1)/2)`` mapped onto a circle of radius
@@ -452,7 +452,7 @@ DESIGNS: dict[str, Design] = {
                summary="Qwen2.5-VL absolute time: t = floor(tau * second_per_grid_t * tokens_per_second)"),
         Design(name="per_frame", fn=_grid, defaults={"temporal_stride": 1, "spatial_reset": False}, split_frames=True,
                summary="Qwen3-VL: every frame is its own T = 1 block (timestamps are text between frames)"),
-        Design(name="scaled_per_frame", fn=_scaled_grid, split_frames=True,
+        Design(name="scaled_frames", fn=_scaled_grid, split_frames=True,
                defaults={"temporal_stride": 1, "position_scale": (1, 1, 1)},
                summary="MM-RoPE (Lumos-1): per-frame grid with each axis scaled by position_scale"),
         Design(name="circle", fn=_circle, split_frames=True, defaults={"radius": 10.0, "alpha": 0.5},

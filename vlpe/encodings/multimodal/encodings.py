@@ -284,7 +284,7 @@ class MMRoPE(MultimodalRoPE):
     """MM-RoPE of Lumos-1 (Yuan et al., arXiv 2507.08801): distributed meta components ``t t h w h w h w``.
 
     Pair ``k`` reads axis ``(0, 0, 1, 2, 1, 2, 1, 2)[k mod 8]`` (2 : 3 : 3, [16, 24, 24] at K = 64), so every axis has
-    pairs in every frequency band; ids of the ``scaled_per_frame`` design, the grid with each axis scaled by
+    pairs in every frequency band; ids of the ``scaled_frames`` design, the grid with each axis scaled by
     ``position_scale`` (default (1, 1, 1); Lumos-1 scales latent coordinates toward pixel ones, e.g. (4, 8, 8)).
 
     Reference: checked against JJJYmmm/Multimodal-RoPEs @ cd413b9 (``pos_design/mmrope.py``,

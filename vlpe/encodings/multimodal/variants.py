@@ -152,7 +152,7 @@ VARIANTS: dict[str, Variant] = {
         Variant("grid", "multi_head", theta=1e6, name="mhrope"),
         Variant("per_frame", "interleaved", {"spatial_reset": True}, theta=1e6, name="ilrope"),
         Variant("per_frame", "chunked", {"spatial_reset": True}, theta=1e6, name="omnirope"),
-        Variant("scaled_per_frame", "distributed", theta=1e6, name="mmrope"),
+        Variant("scaled_frames", "distributed", theta=1e6, name="mmrope"),
         Variant("circle", "chunked", theta=1e6, name="circlerope"),
         Variant("diagonal", "low_freq_temporal", {"temporal_scale": 2.0}, theta=1e6, name="videorope"),
         Variant("diagonal", "hybrid", {"temporal_scale": 0.75}, theta=1e6, name="hope_video"),
