@@ -140,7 +140,7 @@ def worker(args) -> None:
     if args.sp > 1:
         sp = SequenceParallel.create(args.sp)
         sp.install(model)
-        module = SequenceParallelLM(model=model, sp=sp).train()
+        module = SequenceParallelLM(lm=CausalLM(model=model), sp=sp).train()
     else:
         module = CausalLM(model=model).train()
     opt = torch.optim.SGD([p for p in module.parameters() if p.requires_grad], lr=1e-4)

@@ -161,7 +161,7 @@ def run_one(family, folder, data, variant, packing, attn="sdpa", lora=False, sp=
         torch.manual_seed(1)
         par_model = _lora(par_model, spec)
     sp.install(par_model)
-    ref, par = CausalLM(model=ref_model).train(), SequenceParallelLM(model=par_model, sp=sp).train()
+    ref, par = CausalLM(model=ref_model).train(), SequenceParallelLM(lm=CausalLM(model=par_model), sp=sp).train()
     params = [(n, p) for n, p in ref.named_parameters() if p.requires_grad]
     pparams = dict(par.named_parameters())
     opt_r = torch.optim.SGD([p for _, p in params], lr=0.05)

@@ -487,7 +487,7 @@ def main(cfg, raw: dict) -> None:
     if t.sequence_parallel > 1:  # a resume with another sequence-parallel size is refused, naming both
         run_config["sequence_parallel"] = t.sequence_parallel
     fit(
-        model=_with_parts(wrap(model, t.sequence_parallel), t),  # CausalLM, or its sequence-parallel form
+        model=_with_parts(wrap(CausalLM(model=model), t.sequence_parallel), t),  # or its sequence-parallel form
         train=t,
         deepspeed_overrides=cfg.deepspeed,
         train_set=train_set,

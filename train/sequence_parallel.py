@@ -44,7 +44,6 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from train.config import ConfigError
-from train.finetune import CausalLM
 
 __all__ = ["COVERED", "check_config", "check_world", "SequenceParallel", "SequenceParallelLM", "ulysses_attention",
            "seq_to_heads", "heads_to_seq", "wrap"]  # fmt: skip
@@ -303,9 +302,9 @@ class SequenceParallel:
         return args, out
 
 
-class SequenceParallelLM(CausalLM):
+class SequenceParallelLM(nn.Module):
     """The module DeepSpeed trains under sequence parallelism: :class:`train.finetune.CausalLM`'s outputs for a
-    group's batch, each rank computing its shard.
+    group's batch, each rank computing its shard (its parameters are the model's, named as under ``CausalLM``).
 
     ``loss``: its value is the group's whole loss (the shards' summed cross-entropy over the batch's label count,
     all-reduced over the group), its gradient ``N`` times this shard's part: DeepSpeed averages gradients over all
@@ -314,19 +313,25 @@ class SequenceParallelLM(CausalLM):
     group's rank 0). In eval mode it is ``CausalLM`` on whole rows.
 
     Args:
-        model: the patched Hugging Face model, installed with ``sp`` (:meth:`SequenceParallel.install`).
+        lm: the :class:`train.finetune.CausalLM` of the patched model, whose model is installed with ``sp``
+            (:meth:`SequenceParallel.install`); it runs the eval-mode forward.
         sp: this rank's :class:`SequenceParallel`.
     """
 
-    def __init__(self, *, model: nn.Module, sp: SequenceParallel) -> None:
-        super().__init__(model=model)
+    def __init__(self, *, lm: nn.Module, sp: SequenceParallel) -> None:
+        super().__init__()
+        self.model = lm.model
+        self.__dict__["whole"] = lm  # outside the module tree: its parameters are self.model's
         self.sp = sp
+
+    def no_weight_decay(self) -> set[str]:
+        return self.whole.no_weight_decay()
 
     def forward(self, batch: dict) -> dict[str, Tensor]:
         from data.hf_batch import IGNORE_INDEX, MODEL_KEYS
 
         if not self.training:
-            return super().forward(batch)
+            return self.whole(batch)
         sp = self.sp
         inputs = {k: batch[k] for k in MODEL_KEYS if k in batch}
         inputs.setdefault("use_cache", False)
@@ -342,7 +347,7 @@ class SequenceParallelLM(CausalLM):
         with torch.no_grad():
             whole = part.detach().clone()
             dist.all_reduce(whole, group=sp.group)
-            seg, n = self._segments(batch, labels[:, 1:] != IGNORE_INDEX)  # (B, S - 1) on the whole row
+            seg, n = self.whole._segments(batch, labels[:, 1:] != IGNORE_INDEX)  # (B, S - 1) on the whole row
             seg = F.pad(seg, (0, 1 + sp.pad))[:, lo:hi]  # (B, S' / N)
             wrong = (logits.argmax(-1) != gold).long()
             counts = torch.zeros(2, n, dtype=torch.long, device=where.device)  # wrong, scored tokens per sample
@@ -354,11 +359,12 @@ class SequenceParallelLM(CausalLM):
         return {"loss": loss, "correct": (has & (counts[0] == 0)).sum(), "scored": has.sum()}
 
 
-def wrap(model: nn.Module, size: int) -> nn.Module:
-    """The module DeepSpeed trains for ``train.sequence_parallel=size``: :class:`train.finetune.CausalLM` when 1,
-    else a :class:`SequenceParallelLM` whose groups are created and whose wrapper is installed on ``model``."""
+def wrap(lm: nn.Module, size: int) -> nn.Module:
+    """The module DeepSpeed trains for ``train.sequence_parallel=size``: ``lm`` (a :class:`train.finetune.CausalLM`)
+    when 1, else a :class:`SequenceParallelLM` whose groups are created and whose wrapper is installed on
+    ``lm.model``."""
     if size == 1:
-        return CausalLM(model=model)
+        return lm
     sp = SequenceParallel.create(size)
-    sp.install(model)
-    return SequenceParallelLM(model=model, sp=sp)
+    sp.install(lm.model)
+    return SequenceParallelLM(lm=lm, sp=sp)
