@@ -30,9 +30,9 @@ import sys
 import threading
 import xml.etree.ElementTree as ET
 
+from vlpe.encodings.multimodal.checkpoints import FAMILY_VARIANTS  # each family's own design and allocation
+
 FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")
-# the vlpe variant with each family's own design and allocation (vlpe.encodings.multimodal.VARIANTS)
-FAMILY_VARIANTS = {"qwen2_vl": "mrope", "qwen2_5_vl": "qwen25vl", "qwen3_vl": "qwen3vl"}
 _PATCH_ENV = "VLPE_QWEN_VL_PATCH"
 _CLASSES = {
     "qwen2_vl": ("Qwen2VLModel", "Qwen2VLForConditionalGeneration"),
