@@ -34,7 +34,6 @@ from pathlib import Path
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 
 PAGE = os.sysconf("SC_PAGE_SIZE")
 

@@ -22,8 +22,6 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 
 VARIANTS = ("mrope", "mrope_i", "videorope", "hope_video", "v2pe", "vrope", "mhrope")
 FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")

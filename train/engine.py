@@ -354,8 +354,8 @@ def _resume_checkpoint(train: TrainSection, ckpt_dir: Path, *, world: int, rank:
     ``auto`` takes the newest whole complete checkpoint, warning about each damaged newer one it skips. A checkpoint
     whose ZeRO partitions another number of ranks wrote is refused either way (:func:`train.checkpoint.world_problem`),
     before DeepSpeed's load would fail on it.
-    Either way the checkpoint's model signature must equal the config's and its step must not exceed
-    ``train.steps``.
+    Either way the checkpoint's model signature must equal the config's (checked first: a checkpoint of another model
+    or data is named as such) and its step must not exceed ``train.steps``.
     """
     import warnings
 
@@ -372,6 +372,10 @@ def _resume_checkpoint(train: TrainSection, ckpt_dir: Path, *, world: int, rank:
             )
         candidates, explicit = [p], True
     for path in candidates:
+        recorded = path / SIGNATURE  # another model or data first: that run is not this one, whatever else differs
+        if recorded.is_file():
+            fix = "resume with the recorded model settings, or start a new run (another train.out_dir)"
+            check_signature(read_signature(recorded), signature, where=f"checkpoint {path}", fix=fix)
         mismatch = world_problem(path, world=world)  # not damage: every checkpoint of the run would be skipped
         if mismatch is not None:
             raise CheckpointError(f"cannot resume: {mismatch}")
@@ -382,11 +386,7 @@ def _resume_checkpoint(train: TrainSection, ckpt_dir: Path, *, world: int, rank:
             if rank == 0:
                 warnings.warn(f"skipping checkpoint {path}: {problem}", RuntimeWarning, stacklevel=2)
             continue
-        recorded = path / SIGNATURE
-        if recorded.is_file():
-            fix = "resume with the recorded model settings, or start a new run (another train.out_dir)"
-            check_signature(read_signature(recorded), signature, where=f"checkpoint {path}", fix=fix)
-        elif rank == 0:
+        if not recorded.is_file() and rank == 0:
             warnings.warn(f"{path} records no model signature ({SIGNATURE}); the model is not checked", stacklevel=2)
         step = step_of(path.name)
         if step > train.steps:

@@ -63,7 +63,7 @@ class GRAPEMultiplicative(Encoding):
     The official 1D code turns pairs by ``-angle`` (``x1 cos + x2 sin``); vlpe turns by ``+angle`` as its RoPE does,
     the same encoding at mirrored positions.
 
-    Initialisation (``init="rope"``): plane ``j`` is the canonical pair ``(e_j, e_{j + D/2})`` (vlpe's half layout),
+    Initialisation (``init="axial"``): plane ``j`` is the canonical pair ``(e_j, e_{j + D/2})`` (vlpe's half layout),
     ``u_j`` the one-hot axis and ``omega_j`` the frequency of vlpe ``rope`` with ``theta``: the encoding equals
     ``rope`` until trained (up to the fp32 rounding of ``exp(log f)``). ``init="random"``: planes ``N(0, 1)``,
     directions ``N(0, 1)`` (then normalised).
@@ -74,7 +74,7 @@ class GRAPEMultiplicative(Encoding):
     Args:
         spec: the build-time facts.
         theta: frequency base of the RoPE initialisation.
-        init: ``"rope"`` or ``"random"``.
+        init: ``"axial"`` or ``"random"``.
 
     Raises:
         ValueError: an odd head dim, a head dim too small for the axes, ``theta <= 0``, an unknown ``init``.
@@ -89,12 +89,12 @@ class GRAPEMultiplicative(Encoding):
     pieces = frozenset({"rotate"})
 
     def __init__(self, *, spec: EncodingSpec, theta: float = 100.0,
-                 init: Literal["rope", "random"] = "rope") -> None:
+                 init: Literal["axial", "random"] = "axial") -> None:
         super().__init__(spec=spec)
         if not theta > 0:
             raise ValueError(f"theta must be > 0, got {theta}")
-        if init not in ("rope", "random"):
-            raise ValueError(f"init must be 'rope' (equal to vlpe rope at start) or 'random', got {init!r}")
+        if init not in ("axial", "random"):
+            raise ValueError(f"init must be 'axial' (equal to axial RoPE at start) or 'random', got {init!r}")
         freqs = axial_inv_freq(self.head_dim, self.num_axes, theta)  # (A, D/2), checks the head dim
         self.theta = float(theta)
         self.init = init
@@ -113,7 +113,7 @@ class GRAPEMultiplicative(Encoding):
             f = self.rope_freqs  # (A, P)
             mag = f.abs().amax(dim=0)  # (P,) a pair's frequency on its axis (0: left over, not rotated)
             self.log_freq.copy_(mag.clamp_min(1e-30).log().expand_as(self.log_freq))
-            if self.init == "rope":
+            if self.init == "axial":
                 eye = torch.eye(D)
                 self.plane_a.copy_(eye[:P].expand_as(self.plane_a))
                 self.plane_b.copy_(eye[P:].expand_as(self.plane_b))

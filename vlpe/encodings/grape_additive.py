@@ -35,17 +35,17 @@ class GRAPEAdditive(Encoding):
     The official code (model-architectures/GRAPE ``model/llama-mha-grape-a-pi.py`` and ``llama-mha-alibi.py``, commit
     135ee30e5e255cf4385fd8553e32e2575b2f1733) trains causal 1D language models whose additive term is contextual
     (a FoX-style cumulative log-sigmoid gate); vlpe implements the paper's non-contextual unipotent form, whose exact
-    special case is ALiBi: with ``causal=True``, one axis and ``init="alibi"`` (``w_h`` = the official
+    special case is ALiBi: with ``causal=True``, one axis and ``init="slopes"`` (``w_h`` = the official
     ``_get_alibi_slopes``), it equals the official ALiBi bias, checked in the tests against the lift computed with
     explicit ``(D + 2)``-dimensional matrices.
 
-    ``init="alibi"`` sets every axis of ``w_h`` to ALiBi's slope ``m_h``, ``init="zeros"`` starts as ``nope``
+    ``init="slopes"`` sets every axis of ``w_h`` to ALiBi's slope ``m_h``, ``init="zeros"`` starts as ``nope``
     (non-causal). ``causal=True`` masks keys after the query in token order with ``-inf`` (decoders). Pairs with a
     prefix token get no bias. Offsets are fp32 (autocast off). ``neutralize()`` zeroes ``w`` (the causal mask stays).
 
     Args:
         spec: the build-time facts.
-        init: ``"alibi"`` or ``"zeros"``.
+        init: ``"slopes"`` or ``"zeros"``.
         causal: mask keys after the query.
 
     Raises:
@@ -60,10 +60,10 @@ class GRAPEAdditive(Encoding):
     claims = frozenset({"relative", "extrapolation", "neutral", "fp32_angles"})
     pieces = frozenset({"score"})
 
-    def __init__(self, *, spec: EncodingSpec, init: str = "alibi", causal: bool = False) -> None:
+    def __init__(self, *, spec: EncodingSpec, init: str = "slopes", causal: bool = False) -> None:
         super().__init__(spec=spec)
-        if init not in ("alibi", "zeros"):
-            raise ValueError(f"init must be 'alibi' (ALiBi's slopes on every axis) or 'zeros', got {init!r}")
+        if init not in ("slopes", "zeros"):
+            raise ValueError(f"init must be 'slopes' (ALiBi's slopes on every axis) or 'zeros', got {init!r}")
         if not isinstance(causal, bool):
             raise ValueError(f"causal must be a bool, got {causal!r}")
         self.init = init
@@ -73,7 +73,7 @@ class GRAPEAdditive(Encoding):
         elif init == "zeros":
             self.claims = self.claims | {"zero_init"}
         self.weight = nn.Parameter(torch.zeros(spec.depth, spec.num_heads, self.num_axes))  # (L, H, A)
-        if init == "alibi":
+        if init == "slopes":
             with torch.no_grad():
                 self.weight.copy_(alibi_slopes(spec.num_heads)[None, :, None].expand_as(self.weight))
 
