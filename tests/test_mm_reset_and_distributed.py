@@ -13,23 +13,13 @@ from __future__ import annotations
 import pytest
 import torch
 from test_mm_helpers import MERGE, batch, tokens
+from test_mm_position_ids import TEXT_BEFORE, rows, worked_example  # the spec's worked example
 
 from vlpe.encodings import multimodal as mm
 
 PATTERN = (0, 0, 1, 2, 1, 2, 1, 2)
 
 
-def worked_example():
-    """3 text tokens, <vs>, an image of merged grid (1, 2, 3), <ve>, 2 text tokens: S = 13."""
-    types, _, grid = batch([tokens(4, ("img", (1, 4, 6)), 3)])
-    return types, grid
-
-
-def rows(ids):
-    return [tuple(x) for x in ids[:, 0].T.tolist()]
-
-
-TEXT_BEFORE = [(0, 0, 0), (1, 1, 1), (2, 2, 2), (3, 3, 3)]
 
 
 @pytest.mark.parametrize("variant", ["ilrope", "omnirope"])
