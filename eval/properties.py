@@ -2,8 +2,8 @@
 
 For each name in :func:`vlpe.encodings.available` (or ``--only``) the demo
 
-1. builds the encoding as the property tests do (``dim=64, num_heads=4, depth=2``, the first of its
-   ``supported_axes``, its declared ``example`` options),
+1. builds the encoding as the property tests do (``dim=64, num_heads=4`` unless its example declares a size,
+   ``depth=2``, the first of its ``supported_axes``, its declared ``example`` options),
 2. runs the property kit over every property (:func:`vlpe.testing.property_report`), one table row each,
 3. plots the attention of the centre patch over the patch grid at two resolutions, one panel per head,
    to ``<out>/attention_<name>.png``, and the head-averaged pattern of every encoding to
@@ -48,7 +48,7 @@ from vlpe.testing import CHECKS, example, property_report
 
 __all__ = ["main", "build_for_demo", "demo_positions", "attention_map", "Row"]
 
-DIM, HEADS, DEPTH = 64, 4, 2
+DEPTH = 2  # the size is the kit's: dim 64, 4 heads unless the encoding's example declares its own
 DEFAULT_SIZES = (8, 16)
 PROPERTIES = tuple(sorted(CHECKS)) + ("errors",)
 _SHORT = {"zero_init": "zero", "rotation_invariant": "rot_inv", "extrapolation": "extrap", "fp32_angles": "fp32"}
@@ -56,7 +56,7 @@ _SHORT = {"zero_init": "zero", "rotation_invariant": "rot_inv", "extrapolation":
 
 def build_for_demo(name: str) -> Encoding:
     """``name`` in its declared example configuration (as the property kit builds it), in eval mode."""
-    return example(name, dim=DIM, num_heads=HEADS, depth=DEPTH).eval()
+    return example(name, depth=DEPTH).eval()
 
 
 def demo_positions(num_axes: int, size: int) -> tuple[Positions, tuple[int, ...], int]:

@@ -76,3 +76,11 @@ def test_one_axis_maps_peak_at_the_query_and_positions_per_axis_count():
     assert pos.coords[0, 1 + centre].tolist() == [0.0, 2.0, 2.0]
     with pytest.raises(ValueError, match="1, 2 or 3"):
         demo.demo_positions(4, 4)
+
+
+def test_the_demo_table_of_every_registered_encoding_has_no_failure(tmp_path, capsys):
+    """The demo builds each encoding as the property kit does, at the size its example declares: every registered
+    encoding's row holds (the table the demo stops on)."""
+    rc = demo.main(["--no-plots", "--out", str(tmp_path)])
+    out = capsys.readouterr().out
+    assert rc == 0 and " 0 with failures" in out, out[-2000:]
