@@ -373,10 +373,11 @@ def fits(preset: str, encoding: str) -> bool:
     presets need 12 heads, for instance); the encoding's own ``ValueError`` says why not."""
     dims = PRESETS[preset]
     options: dict[str, Any] = dict(num_axes=2, depth=dims["depth"], grid=(2, 2))
-    try:
-        vlpe.encodings.build(encoding, dim=dims["embed_dim"], num_heads=dims["num_heads"], **options)
-    except ValueError:
-        return False
+    with torch.random.fork_rng(devices=[]):  # a trial build draws no number from the caller's generator
+        try:
+            vlpe.encodings.build(encoding, dim=dims["embed_dim"], num_heads=dims["num_heads"], **options)
+        except ValueError:
+            return False
     return True
 
 

@@ -226,3 +226,16 @@ def test_every_encoding_named_architecture_builds_and_runs():
     assert not timm.is_model("vlpe_vit_base_patch16_224_mrope")
     with pytest.raises(ValueError, match="2D grid"):
         models.vit.register_timm("mrope")
+
+
+def test_importing_the_models_draws_no_random_number():
+    """The timm registration at import builds every registered encoding on trial; the caller's generator is left
+    as it was, so a model's initialisation never depends on when ``models.vit`` was first imported, nor on which
+    encodings are registered."""
+    import subprocess
+    import sys
+
+    code = ("import torch; torch.manual_seed(0); a = torch.rand(3); torch.manual_seed(0); import models.vit; "
+            "b = torch.rand(3); assert torch.equal(a, b), (a, b)")  # fmt: skip
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
